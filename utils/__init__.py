@@ -1,0 +1,67 @@
+"""Shared tools of the PyTorch Optimization Track.
+
+Every notebook imports this package for its environment report, timing,
+memory probes, FLOP counting, reference models, synthetic data, plots and the
+results ledger. The public surface is what ``__all__`` lists.
+"""
+
+from .data import CPUHeavyImages, CUDAPrefetcher, SyntheticImages, SyntheticTokens, worker_init
+from .env import EnvInfo, Gate, get_env, needs, pick_device, print_env, resolve_smoke, synchronize
+from .flops import (
+    Ceilings,
+    FlopCount,
+    RooflinePoint,
+    achieved_gbs,
+    achieved_tflops,
+    count_flops,
+    measure_bandwidth_gbs,
+    measure_ceilings,
+    measure_matmul_tflops,
+    mfu,
+    plot_roofline,
+)
+from .ledger import Expectation, ExpectationNotMet, Ledger, Measurement, results_dir
+from .memory import (
+    MemoryBreakdown,
+    MemoryResult,
+    TensorMemoryTracker,
+    format_bytes,
+    measure_peak_memory,
+    memory_breakdown,
+    tensor_bytes,
+)
+from .models import MLP, GPTConfig, SmallCNN, TinyGPT, count_parameters
+from .plots import memory_bars, speedup_bars, sweep_plot, use_style
+from .timing import (
+    NoisyMeasurementWarning,
+    SpeedupTable,
+    Timing,
+    benchmark,
+    cold_l2_benchmark,
+    compare,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # env
+    "EnvInfo", "Gate", "get_env", "needs", "pick_device", "print_env", "resolve_smoke",
+    "synchronize",
+    # timing
+    "Timing", "SpeedupTable", "NoisyMeasurementWarning", "benchmark", "cold_l2_benchmark",
+    "compare",
+    # memory
+    "MemoryResult", "MemoryBreakdown", "TensorMemoryTracker", "measure_peak_memory",
+    "memory_breakdown", "tensor_bytes", "format_bytes",
+    # flops
+    "FlopCount", "Ceilings", "RooflinePoint", "count_flops", "measure_matmul_tflops",
+    "measure_bandwidth_gbs", "measure_ceilings", "achieved_tflops", "achieved_gbs", "mfu",
+    "plot_roofline",
+    # models and data
+    "MLP", "SmallCNN", "GPTConfig", "TinyGPT", "count_parameters", "SyntheticImages",
+    "SyntheticTokens", "CPUHeavyImages", "CUDAPrefetcher", "worker_init",
+    # plots
+    "use_style", "speedup_bars", "memory_bars", "sweep_plot",
+    # ledger
+    "Ledger", "Measurement", "Expectation", "ExpectationNotMet", "results_dir",
+]

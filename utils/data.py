@@ -1,0 +1,195 @@
+"""Synthetic data that needs no download, importable by DataLoader workers.
+
+Every item is a pure function of ``(seed, index)``, so results repeat across
+runs and across worker processes. Datasets live here (not in a notebook cell)
+because worker processes started with ``spawn`` (macOS, Windows) must import
+them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, get_worker_info
+
+__all__ = [
+    "SyntheticImages",
+    "SyntheticTokens",
+    "CPUHeavyImages",
+    "CUDAPrefetcher",
+    "worker_init",
+]
+
+
+def _check_positive(**values: int) -> None:
+    for name, v in values.items():
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+
+
+def _generator(seed: int, index: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + index)
+
+
+class SyntheticImages(Dataset):
+    """Random ``C x H x W`` float images with labels; class ``k`` is brighter in channel ``k % C``.
+
+    The label is learnable (a model can beat chance), so loss curves mean something.
+    """
+
+    def __init__(self, n: int = 1024, image_size: int = 32, channels: int = 3,
+                 num_classes: int = 10, seed: int = 0) -> None:
+        _check_positive(n=n, image_size=image_size, channels=channels, num_classes=num_classes)
+        self.n, self.image_size, self.channels = n, image_size, channels
+        self.num_classes, self.seed = num_classes, seed
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if not 0 <= index < self.n:
+            raise IndexError(f"index {index} out of range for {self.n} items")
+        g = _generator(self.seed, index)
+        label = int(torch.randint(self.num_classes, (1,), generator=g))
+        x = torch.randn(self.channels, self.image_size, self.image_size, generator=g)
+        x[label % self.channels] += 0.5 + label / self.num_classes
+        return x, label
+
+
+class SyntheticTokens(Dataset):
+    """Token sequences from a noisy repeating pattern; items are ``(x, y)`` with ``y`` shifted by one."""
+
+    def __init__(self, n: int = 1024, seq_len: int = 128, vocab_size: int = 512,
+                 seed: int = 0) -> None:
+        _check_positive(n=n, seq_len=seq_len, vocab_size=vocab_size)
+        self.n, self.seq_len, self.vocab_size, self.seed = n, seq_len, vocab_size, seed
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= index < self.n:
+            raise IndexError(f"index {index} out of range for {self.n} items")
+        g = _generator(self.seed, index)
+        period = int(torch.randint(2, 17, (1,), generator=g))
+        motif = torch.randint(self.vocab_size, (period,), generator=g)
+        seq = motif.repeat(self.seq_len // period + 2)[: self.seq_len + 1].clone()
+        noise = torch.rand(self.seq_len + 1, generator=g) < 0.1
+        seq[noise] = torch.randint(self.vocab_size, (int(noise.sum()),), generator=g)
+        return seq[:-1], seq[1:]
+
+
+class CPUHeavyImages(SyntheticImages):
+    """Images whose loading costs real CPU time, like JPEG decoding plus augmentation.
+
+    Each item is generated at ``source_size``, blurred ``work`` times with a 5x5
+    kernel (the stand-in for decoding), randomly cropped and flipped, and resized
+    to ``image_size``. Raise ``work`` to make the loader the bottleneck.
+    """
+
+    def __init__(self, n: int = 1024, image_size: int = 32, channels: int = 3,
+                 num_classes: int = 10, seed: int = 0, source_size: int = 96,
+                 work: int = 4) -> None:
+        super().__init__(n, image_size, channels, num_classes, seed)
+        _check_positive(source_size=source_size)
+        if not isinstance(work, int) or work < 0:
+            raise ValueError(f"work must be a non-negative int, got {work!r}")
+        if source_size < image_size:
+            raise ValueError("source_size must be at least image_size")
+        self.source_size, self.work = source_size, work
+        self._kernel = torch.full((channels, 1, 5, 5), 1 / 25)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        if not 0 <= index < self.n:
+            raise IndexError(f"index {index} out of range for {self.n} items")
+        g = _generator(self.seed, index)
+        label = int(torch.randint(self.num_classes, (1,), generator=g))
+        s = self.source_size
+        img = torch.rand(1, self.channels, s, s, generator=g)
+        for _ in range(self.work):  # "decode": real arithmetic, on this process's CPU
+            img = F.conv2d(img, self._kernel, padding=2, groups=self.channels)
+        crop = int(s * 0.8)
+        top, left = (int(v) for v in torch.randint(s - crop + 1, (2,), generator=g))
+        img = img[:, :, top: top + crop, left: left + crop]
+        if bool(torch.rand(1, generator=g) < 0.5):
+            img = img.flip(-1)
+        img = F.interpolate(img, size=(self.image_size, self.image_size), mode="bilinear",
+                            align_corners=False)[0]
+        img = (img - img.mean()) / (img.std() + 1e-6)
+        img[label % self.channels] += 0.5 + label / self.num_classes
+        return img.contiguous(), label
+
+
+def worker_init(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: one intra-op thread per worker.
+
+    Without it each worker's PyTorch ops would use all cores, and ``N`` workers
+    would fight over them.
+    """
+    torch.set_num_threads(1)
+    info = get_worker_info()
+    if info is not None:
+        torch.manual_seed(info.seed % 2**31)
+
+
+class CUDAPrefetcher:
+    """Iterate a DataLoader while the next batch is copied to the GPU on a side stream.
+
+    The copy of batch ``i+1`` overlaps with the compute on batch ``i``. It only
+    overlaps when the loader pins memory (``pin_memory=True``): a copy from
+    pageable memory is synchronous. On a non-CUDA device batches are moved to
+    it as they come.
+    """
+
+    def __init__(self, loader: DataLoader | Any, device: str | torch.device) -> None:
+        self.loader = loader
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def _to_device(self, batch: Any) -> Any:
+        if isinstance(batch, torch.Tensor):
+            return batch.to(self.device, non_blocking=True)
+        if isinstance(batch, (list, tuple)):
+            return type(batch)(self._to_device(b) for b in batch)
+        if isinstance(batch, dict):
+            return {k: self._to_device(v) for k, v in batch.items()}
+        return batch
+
+    def _record(self, batch: Any) -> None:
+        # Tell the caching allocator these tensors are used on the main stream too.
+        if isinstance(batch, torch.Tensor):
+            batch.record_stream(torch.cuda.current_stream(self.device))
+        elif isinstance(batch, (list, tuple)):
+            for b in batch:
+                self._record(b)
+        elif isinstance(batch, dict):
+            for b in batch.values():
+                self._record(b)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.stream is None:
+            for batch in self.loader:
+                yield self._to_device(batch)
+            return
+        it = iter(self.loader)
+        nxt = None
+        try:
+            with torch.cuda.stream(self.stream):
+                nxt = self._to_device(next(it))
+        except StopIteration:
+            return
+        while nxt is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            batch = nxt
+            self._record(batch)
+            try:
+                with torch.cuda.stream(self.stream):
+                    nxt = self._to_device(next(it))
+            except StopIteration:
+                nxt = None
+            yield batch

@@ -1,0 +1,248 @@
+"""The results ledger: named measurements and expectations, with their environment.
+
+A notebook makes one :class:`Ledger`, records what it measured and states what
+it expects ("bf16 speedup >= 1.8x on CUDA sm80+"). Each expectation is *met*,
+*not met* or *not applicable here* (smoke size, or hardware it is not about),
+and says so plainly. Smoke runs never fail on an expectation; full-size runs
+where it applies do, at :meth:`Ledger.finish`, after the results are saved.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .env import EnvInfo, get_env
+
+__all__ = [
+    "Measurement",
+    "Expectation",
+    "Ledger",
+    "ExpectationNotMet",
+    "results_dir",
+    "MET",
+    "NOT_MET",
+    "NOT_APPLICABLE",
+]
+
+MET, NOT_MET, NOT_APPLICABLE = "met", "not met", "not applicable"
+RESULTS_ENV_VAR = "COURSE_RESULTS_DIR"
+STRICT_ENV_VAR = "COURSE_STRICT"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SCHEMA_VERSION = 1
+
+
+class ExpectationNotMet(AssertionError):
+    """A full-size run missed an expectation that applies to its hardware."""
+
+
+def results_dir() -> Path:
+    """Where ledgers are written: ``$COURSE_RESULTS_DIR``, else ``results/local/`` in the repo."""
+    env = os.environ.get(RESULTS_ENV_VAR)
+    return Path(env).expanduser() if env else REPO_ROOT / "results" / "local"
+
+
+@dataclass(frozen=True)
+class Measurement:
+    name: str
+    value: float
+    unit: str
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """``value`` compared with ``threshold`` by ``op`` (``>=`` or ``<=``)."""
+
+    name: str
+    description: str
+    value: float
+    op: str
+    threshold: float
+    status: str
+    reason: str = ""
+
+    def line(self) -> str:
+        mark = {MET: "MET", NOT_MET: "NOT MET", NOT_APPLICABLE: "n/a"}[self.status]
+        text = f"[{mark:^7}] {self.description}: measured {self.value:.3g} (expected {self.op} {self.threshold:g})"
+        return text + (f" - {self.reason}" if self.reason else "")
+
+
+def _strict_default(smoke: bool) -> bool:
+    word = os.environ.get(STRICT_ENV_VAR, "").strip().lower()
+    if word in {"1", "true", "yes", "on"}:
+        return True
+    if word in {"0", "false", "no", "off"}:
+        return False
+    return not smoke
+
+
+class Ledger:
+    """Measurements and expectations of one notebook run.
+
+    Args:
+        notebook: the notebook's path relative to the repo, e.g.
+            ``"00-foundations/01_measuring_performance"``.
+        smoke: whether this run is at smoke size.
+        env: the environment (default: :func:`utils.get_env`).
+        strict: fail :meth:`finish` on an applicable missed expectation
+            (default: full-size runs; ``COURSE_STRICT=0/1`` overrides).
+        autosave: write the JSON after every record, so a cell that fails
+            later loses nothing measured before it.
+    """
+
+    def __init__(self, notebook: str, smoke: bool, env: EnvInfo | dict | None = None,
+                 strict: bool | None = None, autosave: bool = False) -> None:
+        if not notebook or not isinstance(notebook, str):
+            raise ValueError("notebook must be a non-empty name such as '00-foundations/01_x'")
+        self.notebook = notebook
+        self.smoke = bool(smoke)
+        if env is None:
+            env = get_env()
+        self.env: dict[str, Any] = env.fingerprint() if isinstance(env, EnvInfo) else dict(env)
+        self.strict = _strict_default(self.smoke) if strict is None else strict
+        self.autosave = autosave
+        self.created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        self.measurements: dict[str, Measurement] = {}
+        self.expectations: dict[str, Expectation] = {}
+
+    # -- recording -------------------------------------------------------------
+    def record(self, name: str, value: float, unit: str = "", note: str = "") -> Measurement:
+        """Record a measured number under ``name`` (a later record replaces it)."""
+        if not name:
+            raise ValueError("a measurement needs a name")
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(f"measurement {name!r} must be a number, got {value!r}") from None
+        if math.isnan(value):
+            raise ValueError(f"measurement {name!r} is NaN: the measurement failed")
+        m = Measurement(name, value, unit, note)
+        self.measurements[name] = m
+        if self.autosave:
+            self.save()
+        return m
+
+    def expect(self, name: str, value: float, *, at_least: float | None = None,
+               at_most: float | None = None, applies: bool = True, reason: str = "",
+               description: str | None = None, in_smoke: bool = False) -> Expectation:
+        """State and check an expectation; prints its status and returns it.
+
+        Args:
+            name: a key, e.g. ``"bf16_speedup"``.
+            value: the measured value (also recorded as a measurement).
+            at_least / at_most: the threshold (exactly one of them).
+            applies: ``False`` when this hardware is not what the expectation
+                is about; give the ``reason`` (e.g. "needs CUDA sm80+").
+            description: words for the report (default: the name).
+            in_smoke: check it at smoke size too (for hardware-independent
+                facts, such as memory savings that show at any size).
+        """
+        if (at_least is None) == (at_most is None):
+            raise ValueError("give exactly one of at_least= or at_most=")
+        op, threshold = (">=", at_least) if at_least is not None else ("<=", at_most)
+        self.record(name, value)
+        value = self.measurements[name].value
+        if not applies:
+            status = NOT_APPLICABLE
+        elif self.smoke and not in_smoke:
+            status, reason = NOT_APPLICABLE, "smoke size: too small for this to be meaningful"
+        elif (value >= threshold) if op == ">=" else (value <= threshold):
+            status = MET
+        else:
+            status = NOT_MET
+        exp = Expectation(name, description or name, value, op, float(threshold), status, reason)
+        self.expectations[name] = exp
+        if self.autosave:
+            self.save()
+        print(exp.line())
+        return exp
+
+    # -- reading ---------------------------------------------------------------
+    def __getitem__(self, name: str) -> float:
+        return self.measurements[name].value
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA_VERSION,
+            "notebook": self.notebook,
+            "smoke": self.smoke,
+            "strict": self.strict,
+            "created": self.created,
+            "env": self.env,
+            "measurements": [asdict(m) for m in self.measurements.values()],
+            "expectations": [asdict(e) for e in self.expectations.values()],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Ledger":
+        if data.get("schema") != SCHEMA_VERSION:
+            raise ValueError(f"unknown ledger schema {data.get('schema')!r}")
+        led = cls(data["notebook"], data["smoke"], env=data["env"], strict=data["strict"])
+        led.created = data["created"]
+        for m in data["measurements"]:
+            led.measurements[m["name"]] = Measurement(**m)
+        for e in data["expectations"]:
+            led.expectations[e["name"]] = Expectation(**e)
+        return led
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Ledger":
+        """Read a ledger written by :meth:`save`."""
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"no ledger at {p}")
+        return cls.from_dict(json.loads(p.read_text(encoding="utf-8")))
+
+    def default_path(self) -> Path:
+        return results_dir() / (self.notebook.replace("/", "__") + ".json")
+
+    def save(self, path: str | os.PathLike | None = None) -> Path:
+        """Write the ledger as JSON (default: :func:`results_dir`) and return the path."""
+        p = Path(path) if path is not None else self.default_path()
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(p.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2), encoding="utf-8")
+        tmp.replace(p)
+        return p
+
+    def to_markdown(self) -> str:
+        lines = ["| measurement | value | unit |", "|---|---:|---|"]
+        lines += [f"| {m.name} | {m.value:.4g} | {m.unit} |" for m in self.measurements.values()]
+        if self.expectations:
+            lines += ["", "| expectation | measured | expected | status |", "|---|---:|---|---|"]
+            lines += [
+                f"| {e.description} | {e.value:.3g} | {e.op} {e.threshold:g} | {e.status}"
+                + (f" ({e.reason})" if e.reason else "") + " |"
+                for e in self.expectations.values()
+            ]
+        return "\n".join(lines)
+
+    def finish(self) -> Path:
+        """Save, print a summary, and in strict mode fail on a missed expectation.
+
+        The results are written before anything can fail, so nothing is lost.
+        """
+        path = self.save()
+        counts = {s: sum(e.status == s for e in self.expectations.values())
+                  for s in (MET, NOT_MET, NOT_APPLICABLE)}
+        size = "smoke" if self.smoke else "full"
+        print(f"{len(self.measurements)} measurements saved to {path} ({size} size, "
+              f"{self.env.get('device_name', '?')}).")
+        print(f"expectations: {counts[MET]} met, {counts[NOT_MET]} not met, "
+              f"{counts[NOT_APPLICABLE]} not applicable here")
+        for e in self.expectations.values():
+            print("  " + e.line())
+        missed = [e for e in self.expectations.values() if e.status == NOT_MET]
+        if missed and self.strict:
+            raise ExpectationNotMet(
+                "full-size run missed: " + "; ".join(e.line() for e in missed)
+                + ". Results are saved; a threshold changes only with a measured reason"
+                " written in the notebook."
+            )
+        return path

@@ -1,0 +1,132 @@
+"""Plots in one consistent style: speedup bars, memory bars, sweeps."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from .memory import format_bytes
+from .timing import SpeedupTable
+
+__all__ = ["use_style", "speedup_bars", "memory_bars", "sweep_plot"]
+
+_STYLE = {
+    "figure.dpi": 110,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "axes.titlesize": 11,
+    "axes.labelsize": 10,
+    "legend.fontsize": 9,
+    "font.size": 9,
+}
+BASELINE_COLOR = "#8c8c8c"
+CANDIDATE_COLOR = "#1f77b4"
+SLOWER_COLOR = "#d62728"
+
+
+def use_style() -> None:
+    """Apply the course's matplotlib style (idempotent)."""
+    import matplotlib as mpl
+
+    mpl.rcParams.update(_STYLE)
+
+
+def _axes(ax: Any, figsize: tuple[float, float]) -> Any:
+    import matplotlib.pyplot as plt
+
+    use_style()
+    if ax is None:
+        _, ax = plt.subplots(figsize=figsize)
+    return ax
+
+
+def speedup_bars(table: SpeedupTable | Mapping[str, float], title: str = "", ax: Any = None) -> Any:
+    """Horizontal bars of speedup over the baseline; a dashed line marks 1x.
+
+    Bars slower than the baseline are red: a slowdown is a result, not an error.
+    """
+    if isinstance(table, SpeedupTable):
+        items = [(r.label, r.speedup) for r in table.rows]
+        base = table.baseline
+    else:
+        items = list(table.items())
+        base = items[0][0] if items else ""
+    if not items:
+        raise ValueError("speedup_bars needs at least one value")
+    ax = _axes(ax, (6.5, 0.45 * len(items) + 1.2))
+    labels = [k for k, _ in items][::-1]
+    values = [v for _, v in items][::-1]
+    colors = [BASELINE_COLOR if k == base else (SLOWER_COLOR if v < 1 else CANDIDATE_COLOR)
+              for k, v in zip(labels, values)]
+    ax.barh(labels, values, color=colors)
+    ax.axvline(1.0, color="black", ls="--", lw=1)
+    for y, v in enumerate(values):
+        ax.annotate(f"{v:.2f}x", (v, y), xytext=(3, 0), textcoords="offset points",
+                    va="center", fontsize=8)
+    ax.set_xlabel(f"speedup vs {base} (higher is better)")
+    ax.set_title(title)
+    ax.margins(x=0.15)
+    return ax
+
+
+def memory_bars(values: Mapping[str, float], title: str = "", ax: Any = None,
+                stacked: Mapping[str, Mapping[str, float]] | None = None) -> Any:
+    """Bars of memory in bytes, labelled in MiB/GiB.
+
+    With ``stacked`` (variant -> {part: bytes}) each bar is split into parts,
+    e.g. parameters / gradients / optimizer state / activations.
+    """
+    import numpy as np
+
+    if stacked is not None:
+        variants = list(stacked)
+        parts = list(dict.fromkeys(p for v in stacked.values() for p in v))
+        ax = _axes(ax, (6.5, 0.5 * len(variants) + 1.5))
+        left = np.zeros(len(variants))
+        for part in parts:
+            widths = np.array([stacked[v].get(part, 0) for v in variants], dtype=float) / 2**20
+            ax.barh(variants, widths, left=left, label=part)
+            left += widths
+        for y, total in enumerate(left):
+            ax.annotate(format_bytes(total * 2**20), (total, y), xytext=(3, 0),
+                        textcoords="offset points", va="center", fontsize=8)
+        ax.legend(loc="best")
+    else:
+        if not values:
+            raise ValueError("memory_bars needs at least one value")
+        ax = _axes(ax, (6.5, 0.45 * len(values) + 1.2))
+        labels = list(values)
+        mib = [values[k] / 2**20 for k in labels]
+        ax.barh(labels, mib, color=CANDIDATE_COLOR)
+        for y, (k, v) in enumerate(zip(labels, mib)):
+            ax.annotate(format_bytes(values[k]), (v, y), xytext=(3, 0),
+                        textcoords="offset points", va="center", fontsize=8)
+        ax.invert_yaxis()
+    ax.set_xlabel("memory (MiB)")
+    ax.set_title(title)
+    ax.margins(x=0.2)
+    return ax
+
+
+def sweep_plot(x: Sequence[float], series: Mapping[str, Sequence[float]], xlabel: str,
+               ylabel: str, title: str = "", ax: Any = None, logx: bool = False,
+               logy: bool = False) -> Any:
+    """Lines with markers for a parameter sweep: one line per series."""
+    if not series:
+        raise ValueError("sweep_plot needs at least one series")
+    ax = _axes(ax, (6.5, 4))
+    for name, ys in series.items():
+        if len(ys) != len(x):
+            raise ValueError(f"series {name!r} has {len(ys)} values for {len(x)} x values")
+        ax.plot(list(x), list(ys), marker="o", label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if logx:
+        ax.set_xscale("log")
+    if logy:
+        ax.set_yscale("log")
+    if len(series) > 1:
+        ax.legend()
+    return ax

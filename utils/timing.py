@@ -1,0 +1,370 @@
+"""Timing that is right on CPU and CUDA.
+
+:func:`benchmark` wraps :class:`torch.utils.benchmark.Timer`, which
+synchronises the accelerator around each block of runs and sizes the blocks
+so that timer overhead is negligible. On top of it we add an explicit warm-up,
+the number of CPU threads the notebook actually uses (the Timer's default is
+one), and a warning when the spread is too large to trust the median.
+
+:func:`cold_l2_benchmark` times single kernel calls on CUDA with their own
+events after flushing the L2 cache, the way ``triton.testing.do_bench`` does.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.utils.benchmark as tbench
+
+from .env import pick_device, synchronize
+
+__all__ = [
+    "NoisyMeasurementWarning",
+    "Timing",
+    "SpeedupRow",
+    "SpeedupTable",
+    "benchmark",
+    "cold_l2_benchmark",
+    "compare",
+]
+
+NOISE_THRESHOLD = 0.10  # IQR / median above which a measurement is called noisy
+
+
+class NoisyMeasurementWarning(UserWarning):
+    """The interquartile range is more than 10% of the median."""
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One timed callable: robust statistics over many timed blocks.
+
+    All times are per call, in milliseconds.
+    """
+
+    label: str
+    median_ms: float
+    iqr_ms: float
+    mean_ms: float
+    min_ms: float
+    n_blocks: int
+    calls_per_block: int
+    device: str
+    method: str
+    times_ms: tuple[float, ...] = field(repr=False)
+    measurement: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def iqr_fraction(self) -> float:
+        """IQR as a fraction of the median: the relative spread."""
+        return self.iqr_ms / self.median_ms if self.median_ms > 0 else math.inf
+
+    @property
+    def noisy(self) -> bool:
+        return self.iqr_fraction > NOISE_THRESHOLD
+
+    @property
+    def median_s(self) -> float:
+        return self.median_ms / 1e3
+
+    def __str__(self) -> str:
+        flag = "  (noisy)" if self.noisy else ""
+        return (
+            f"{self.label}: median {_fmt_ms(self.median_ms)}, IQR {_fmt_ms(self.iqr_ms)} "
+            f"({self.iqr_fraction:.0%}), {self.n_blocks} blocks x {self.calls_per_block} "
+            f"calls on {self.device}{flag}"
+        )
+
+
+def _fmt_ms(ms: float) -> str:
+    if ms >= 1000:
+        return f"{ms / 1e3:.3f} s"
+    if ms >= 1:
+        return f"{ms:.3f} ms"
+    if ms >= 1e-3:
+        return f"{ms * 1e3:.1f} us"
+    return f"{ms * 1e6:.1f} ns"
+
+
+def _check_callable(fn: Any) -> None:
+    if not callable(fn):
+        raise TypeError(
+            f"expected a callable to time, got {type(fn).__name__} ({fn!r:.60}); "
+            "pass the function itself (f), not its result (f())"
+        )
+
+
+def _quantiles(values: Sequence[float]) -> tuple[float, float, float]:
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[0], q[1], q[2]
+
+
+def _estimate_call_s(call: Callable[[], None], dev: torch.device) -> float:
+    """Median wall time of a few synchronised calls (at most ~3, fewer when slow)."""
+    samples = []
+    for _ in range(3):
+        synchronize(dev)
+        t0 = time.perf_counter()
+        call()
+        synchronize(dev)
+        samples.append(time.perf_counter() - t0)
+        if samples[-1] > 0.5:
+            break
+    return statistics.median(samples)
+
+
+def benchmark(
+    fn: Callable[..., Any],
+    *args: Any,
+    label: str | None = None,
+    device: str | torch.device | None = None,
+    min_run_time_s: float = 0.5,
+    warmup: int = 3,
+    num_threads: int | None = None,
+    warn_if_noisy: bool = True,
+    min_blocks: int = 5,
+    **kwargs: Any,
+) -> Timing:
+    """Time ``fn(*args, **kwargs)`` and return its per-call statistics.
+
+    The callable is warmed up (first calls pay for allocation, autotuning and
+    compilation), then timed in blocks of calls with :meth:`torch.utils.benchmark.Timer.timeit`,
+    which synchronises the accelerator before reading the clock. Blocks are
+    sized from a timed warm-up call so that about 20 of them fill
+    ``min_run_time_s`` (at least ``min_blocks``); the median and IQR are over
+    blocks. On MPS we synchronise
+    inside the timed call, since the Timer only knows CUDA-style accelerators.
+
+    Args:
+        fn: what to time.
+        *args: positional arguments for ``fn``.
+        label: a name for tables and plots (default: the function's name).
+        device: where ``fn`` runs; used for synchronisation and the record.
+        min_run_time_s: total time to spend measuring, in seconds (> 0).
+        warmup: untimed calls before measuring (>= 0).
+        num_threads: CPU threads for the measurement (default: the current
+            ``torch.get_num_threads()``; the Timer's own default is 1).
+        warn_if_noisy: warn when IQR/median > 10%.
+        min_blocks: the fewest timed blocks (>= 1), however long a call takes.
+        **kwargs: keyword arguments for ``fn``.
+
+    Raises:
+        TypeError: ``fn`` is not callable.
+        ValueError: ``min_run_time_s`` is not positive or ``warmup`` is negative.
+    """
+    _check_callable(fn)
+    if not (isinstance(min_run_time_s, (int, float)) and min_run_time_s > 0):
+        raise ValueError(f"min_run_time_s must be a positive number of seconds, got {min_run_time_s!r}")
+    if not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be a non-negative int, got {warmup!r}")
+    if not isinstance(min_blocks, int) or min_blocks < 1:
+        raise ValueError(f"min_blocks must be a positive int, got {min_blocks!r}")
+    dev = pick_device(device)
+    name = label or getattr(fn, "__name__", "fn")
+
+    if dev.type == "mps":
+
+        def call() -> None:
+            fn(*args, **kwargs)
+            torch.mps.synchronize()
+
+    else:
+
+        def call() -> None:
+            fn(*args, **kwargs)
+
+    for _ in range(warmup):
+        call()
+    # Estimate the cost of one call (these calls also warm up), then size the
+    # blocks so that ~20 of them fill min_run_time_s and each lasts >= 1 ms,
+    # which keeps the timer's own overhead (about a microsecond) negligible.
+    estimate_s = _estimate_call_s(call, dev)
+    target_block_s = max(min_run_time_s / 20, 1e-3)
+    number = max(1, round(target_block_s / max(estimate_s, 1e-9)))
+
+    timer = tbench.Timer(
+        stmt="__course_call()",
+        globals={"__course_call": call},
+        label=name,
+        description=name,
+        num_threads=num_threads or torch.get_num_threads(),
+    )
+    blocks = []
+    spent = 0.0
+    while spent < min_run_time_s or len(blocks) < min_blocks:
+        block = timer.timeit(number)  # synchronises the accelerator around the block
+        blocks.append(block)
+        spent += block.times[0] * number
+    m = tbench.Measurement.merge(blocks)[0]
+    times_ms = tuple(b.times[0] * 1e3 for b in blocks)  # per call, one value per block
+    q1, med, q3 = _quantiles(times_ms)
+    result = Timing(
+        label=name,
+        median_ms=med,
+        iqr_ms=q3 - q1,
+        mean_ms=statistics.fmean(times_ms),
+        min_ms=min(times_ms),
+        n_blocks=len(times_ms),
+        calls_per_block=number,
+        device=str(dev),
+        method="torch.utils.benchmark.Timer, synchronised blocks",
+        times_ms=times_ms,
+        measurement=m,
+    )
+    if warn_if_noisy and result.noisy:
+        warnings.warn(
+            f"{name}: IQR is {result.iqr_fraction:.0%} of the median "
+            f"({_fmt_ms(result.iqr_ms)} of {_fmt_ms(result.median_ms)}); the machine is "
+            "busy or the work is too short. Close other work, or raise min_run_time_s.",
+            NoisyMeasurementWarning,
+            stacklevel=2,
+        )
+    return result
+
+
+def cold_l2_benchmark(
+    fn: Callable[..., Any],
+    *args: Any,
+    label: str | None = None,
+    device: str | torch.device | None = "cuda",
+    n_iter: int = 50,
+    warmup: int = 5,
+    flush_bytes: int | None = None,
+    **kwargs: Any,
+) -> Timing:
+    """Time single CUDA calls with a cold L2 cache, each with its own CUDA events.
+
+    Before every call a buffer larger than the L2 cache is zeroed, so the
+    kernel reads its inputs from HBM the way it would inside a big model.
+
+    Args:
+        fn: the kernel launch to time.
+        n_iter: timed calls (>= 1).
+        warmup: untimed calls first (>= 0).
+        flush_bytes: size of the flush buffer (default: 4 x L2, at least 64 MiB).
+
+    Raises:
+        TypeError: ``fn`` is not callable.
+        ValueError: bad counts, or no CUDA GPU (this method needs CUDA events).
+    """
+    _check_callable(fn)
+    if not isinstance(n_iter, int) or n_iter < 1:
+        raise ValueError(f"n_iter must be a positive int, got {n_iter!r}")
+    if not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be a non-negative int, got {warmup!r}")
+    dev = pick_device(device)
+    if dev.type != "cuda":
+        raise ValueError(
+            f"cold_l2_benchmark needs a CUDA device (got {str(dev)!r}): it uses CUDA "
+            "events and flushes the GPU's L2 cache. Use benchmark() on the CPU."
+        )
+    if flush_bytes is None:
+        l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or 0
+        flush_bytes = max(4 * l2, 64 * 1024**2)
+    flush = torch.empty(int(flush_bytes) // 4, dtype=torch.int32, device=dev)
+    for _ in range(warmup):
+        fn(*args, **kwargs)
+    torch.cuda.synchronize(dev)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_iter)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_iter)]
+    for i in range(n_iter):
+        flush.zero_()
+        starts[i].record()
+        fn(*args, **kwargs)
+        ends[i].record()
+    torch.cuda.synchronize(dev)
+    times_ms = tuple(s.elapsed_time(e) for s, e in zip(starts, ends))
+    q1, med, q3 = _quantiles(times_ms)
+    return Timing(
+        label=label or getattr(fn, "__name__", "fn"),
+        median_ms=med,
+        iqr_ms=q3 - q1,
+        mean_ms=statistics.fmean(times_ms),
+        min_ms=min(times_ms),
+        n_blocks=n_iter,
+        calls_per_block=1,
+        device=str(dev),
+        method="CUDA events, L2 flushed before each call",
+        times_ms=times_ms,
+    )
+
+
+@dataclass(frozen=True)
+class SpeedupRow:
+    label: str
+    median_ms: float
+    iqr_ms: float
+    speedup: float  # baseline median / this median; > 1 is faster
+    noisy: bool
+
+
+@dataclass(frozen=True)
+class SpeedupTable:
+    """A baseline and its candidates, with speedups measured in one run."""
+
+    baseline: str
+    rows: tuple[SpeedupRow, ...]
+
+    def speedup(self, label: str) -> float:
+        """The speedup of the row called ``label``."""
+        for row in self.rows:
+            if row.label == label:
+                return row.speedup
+        raise KeyError(f"no row {label!r}; rows are {[r.label for r in self.rows]}")
+
+    def to_markdown(self) -> str:
+        lines = [
+            "| variant | median | IQR | speedup vs " + self.baseline + " |",
+            "|---|---:|---:|---:|",
+        ]
+        for r in self.rows:
+            noisy = " (noisy)" if r.noisy else ""
+            lines.append(
+                f"| {r.label} | {_fmt_ms(r.median_ms)} | {_fmt_ms(r.iqr_ms)}{noisy} | {r.speedup:.2f}x |"
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        width = max(len(r.label) for r in self.rows)
+        out = [f"{'variant':<{width}}  {'median':>11}  {'IQR':>11}  speedup vs {self.baseline}"]
+        for r in self.rows:
+            noisy = "  (noisy)" if r.noisy else ""
+            out.append(
+                f"{r.label:<{width}}  {_fmt_ms(r.median_ms):>11}  {_fmt_ms(r.iqr_ms):>11}  "
+                f"{r.speedup:6.2f}x{noisy}"
+            )
+        return "\n".join(out)
+
+    def _repr_markdown_(self) -> str:
+        return self.to_markdown()
+
+
+def compare(baseline: Timing, *candidates: Timing) -> SpeedupTable:
+    """Turn a baseline and candidates into a speedup table (baseline first, 1.00x).
+
+    Raises:
+        TypeError: an argument is not a :class:`Timing`.
+        ValueError: no candidates, or a duplicate label.
+    """
+    timings = (baseline, *candidates)
+    for t in timings:
+        if not isinstance(t, Timing):
+            raise TypeError(f"compare() takes Timing results, got {type(t).__name__}")
+    if not candidates:
+        raise ValueError("compare() needs at least one candidate besides the baseline")
+    labels = [t.label for t in timings]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"labels must be unique to compare, got {labels}")
+    rows = tuple(
+        SpeedupRow(t.label, t.median_ms, t.iqr_ms, baseline.median_ms / t.median_ms, t.noisy)
+        for t in timings
+    )
+    return SpeedupTable(baseline=baseline.label, rows=rows)
