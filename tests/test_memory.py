@@ -1,0 +1,88 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+import utils
+
+MIB = 2**20
+
+
+def test_cpu_probe_sees_a_known_allocation():
+    def work():
+        a = torch.empty(8 * MIB, dtype=torch.uint8)  # 8 MiB
+        b = torch.ones(1024, 1024)  # 4 MiB, alive together with a
+        del a, b
+        c = torch.zeros(MIB // 4)  # 1 MiB, returned
+        return c
+
+    r = utils.measure_peak_memory(work, device="cpu")
+    assert r.peak_bytes == 12 * MIB
+    assert r.retained_bytes == 0  # the result was not kept
+    assert r.allocator_peak_allocated_bytes is None
+    assert "TorchDispatchMode" in r.method
+
+    kept = utils.measure_peak_memory(work, device="cpu", keep_result=True)
+    assert kept.retained_bytes == MIB and kept.result.numel() == MIB // 4
+
+
+def test_cpu_probe_counts_views_once_and_is_never_silent_zero():
+    def work():
+        x = torch.randn(512, 512)  # 1 MiB
+        v = x.view(-1)[::2]  # a view: no new memory
+        return (v * 2).sum()
+
+    r = utils.measure_peak_memory(work, device="cpu")
+    # x (1 MiB), the product v*2 (0.5 MiB) and the 4-byte sum are alive at once.
+    assert r.peak_bytes == MIB + MIB // 2 + 4
+
+
+def test_cpu_probe_sees_saved_activations():
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 8))
+    x = torch.randn(64, 256)
+
+    def forward():
+        return model(x).sum()
+
+    r = utils.measure_peak_memory(forward, device="cpu", keep_result=True)
+    assert r.peak_bytes >= 64 * 1024 * 4  # at least the hidden activation
+
+
+def test_breakdown_of_adamw_step():
+    model = utils.MLP(in_features=32, hidden=64, out_features=4, depth=2)
+    n_params = utils.count_parameters(model)
+    batch = (torch.randn(16, 32), torch.randint(0, 4, (16,)))
+    b = utils.memory_breakdown(model, batch, F.cross_entropy, lr=1e-3)
+    assert b.parameters_bytes == 4 * n_params
+    assert b.gradients_bytes == 4 * n_params
+    n_tensors = len(list(model.parameters()))
+    # AdamW keeps exp_avg and exp_avg_sq (2 x params) plus a scalar step per tensor.
+    assert 8 * n_params <= b.optimizer_state_bytes <= 8 * n_params + 8 * n_tensors
+    assert b.activations_bytes > 0
+    assert b.total_bytes == sum(b.as_dict().values())
+    # the model passed in is untouched
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_bad_input():
+    with pytest.raises(TypeError, match="callable"):
+        utils.measure_peak_memory("not a function")
+    with pytest.raises(ValueError, match="device"):
+        utils.measure_peak_memory(lambda: None, device="floppy")
+    with pytest.raises(ValueError, match="pair"):
+        utils.memory_breakdown(utils.MLP(), torch.randn(2, 784), F.cross_entropy)
+
+
+def test_format_bytes():
+    assert utils.format_bytes(512) == "512 B"
+    assert utils.format_bytes(3 * MIB) == "3.00 MiB"
+    assert utils.format_bytes(None) == "n/a"
+
+
+@pytest.mark.gpu
+def test_cuda_probe_reads_the_allocator():
+    def work():
+        return torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")
+
+    r = utils.measure_peak_memory(work, device="cuda")
+    assert r.peak_bytes >= 64 * MIB
+    assert r.allocator_peak_reserved_bytes >= r.allocator_peak_allocated_bytes

@@ -1,0 +1,91 @@
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import utils
+
+
+def test_models_run_forward_and_backward():
+    x = torch.randn(4, 3, 32, 32)
+    out = utils.SmallCNN()(x)
+    assert out.shape == (4, 10)
+    out.sum().backward()
+    assert utils.MLP(in_features=12, out_features=3)(torch.randn(2, 12)).shape == (2, 3)
+    cfg = utils.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    gpt = utils.TinyGPT(cfg)
+    idx = torch.randint(0, 64, (2, 16))
+    logits, loss = gpt(idx, idx)
+    assert logits.shape == (2, 16, 64)
+    assert loss.item() == pytest.approx(torch.log(torch.tensor(64.0)).item(), rel=0.1)
+
+
+def test_gpt_is_causal():
+    cfg = utils.GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    gpt = utils.TinyGPT(cfg).eval()
+    a = torch.randint(0, 32, (1, 8))
+    b = a.clone()
+    b[0, -1] = (a[0, -1] + 1) % 32  # change only the last token
+    with torch.no_grad():
+        torch.testing.assert_close(gpt(a)[0, :-1], gpt(b)[0, :-1])
+
+
+def test_model_arguments_are_checked():
+    with pytest.raises(ValueError, match="divisible"):
+        utils.GPTConfig(n_embd=30, n_head=4)
+    with pytest.raises(ValueError, match="block_size"):
+        utils.TinyGPT(utils.GPTConfig(block_size=4))(torch.zeros(1, 5, dtype=torch.long))
+    with pytest.raises(ValueError):
+        utils.MLP(depth=0)
+
+
+@pytest.mark.parametrize("cls", [utils.SyntheticImages, utils.SyntheticTokens, utils.CPUHeavyImages])
+def test_datasets_are_deterministic(cls):
+    a, b = cls(n=8, seed=3), cls(n=8, seed=3)
+    for i in (0, 5):
+        for x, y in zip(a[i], b[i]):
+            torch.testing.assert_close(torch.as_tensor(x), torch.as_tensor(y))
+    assert not torch.equal(torch.as_tensor(a[0][0]), torch.as_tensor(cls(n=8, seed=4)[0][0]))
+    with pytest.raises(IndexError):
+        a[8]
+
+
+def test_tokens_are_shifted_by_one():
+    x, y = utils.SyntheticTokens(n=2, seq_len=16)[1]
+    assert torch.equal(x[1:], y[:-1])
+
+
+def test_images_are_learnable():
+    ds = utils.SyntheticImages(n=200, num_classes=3, channels=3)
+    means = torch.zeros(3, 3)
+    counts = torch.zeros(3)
+    for x, y in ds:
+        means[y] += x.mean(dim=(1, 2))
+        counts[y] += 1
+    means /= counts[:, None]
+    assert all(means[k].argmax() == k for k in range(3))  # class k lights up channel k
+
+
+def test_workers_import_the_dataset_and_agree_with_the_main_process():
+    ds = utils.CPUHeavyImages(n=12, work=1)
+    serial = [b for b in DataLoader(ds, batch_size=4)]
+    parallel = [b for b in DataLoader(ds, batch_size=4, num_workers=2, worker_init_fn=utils.worker_init)]
+    for (xa, ya), (xb, yb) in zip(serial, parallel):
+        torch.testing.assert_close(xa, xb)
+        assert torch.equal(ya, yb)
+
+
+def test_prefetcher_passes_batches_through_on_cpu():
+    loader = DataLoader(utils.SyntheticImages(n=8), batch_size=4)
+    batches = list(utils.CUDAPrefetcher(loader, "cpu"))
+    assert len(batches) == 2 and batches[0][0].shape == (4, 3, 32, 32)
+
+
+@pytest.mark.gpu
+def test_prefetcher_delivers_on_gpu():
+    loader = DataLoader(utils.SyntheticImages(n=8), batch_size=4, pin_memory=True)
+    batches = list(utils.CUDAPrefetcher(loader, "cuda"))
+    ref = list(loader)
+    assert len(batches) == 2
+    for (x, y), (rx, ry) in zip(batches, ref):
+        assert x.is_cuda
+        torch.testing.assert_close(x.cpu(), rx)

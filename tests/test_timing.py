@@ -1,0 +1,85 @@
+import itertools
+import time
+
+import pytest
+import torch
+
+import utils
+from utils.timing import NoisyMeasurementWarning
+
+
+def test_known_cost_is_timed_within_tolerance():
+    # time.sleep(0.02) costs 20 ms plus a little scheduler slack.
+    t = utils.benchmark(time.sleep, 0.02, min_run_time_s=0.25, warmup=1)
+    assert 19.5 <= t.median_ms <= 26.0, t
+    assert t.n_blocks >= 5
+    assert t.iqr_ms >= 0
+    assert t.device == "cpu"
+
+
+def test_blocks_are_sized_for_many_measurements():
+    t = utils.benchmark(torch.add, torch.ones(64), torch.ones(64), min_run_time_s=0.2)
+    assert t.calls_per_block > 1  # a microsecond op is timed in blocks of many calls
+    assert t.n_blocks >= 10
+    assert len(t.times_ms) == t.n_blocks
+
+
+def test_speedup_of_known_costs():
+    slow = utils.benchmark(time.sleep, 0.02, label="20ms", min_run_time_s=0.2)
+    fast = utils.benchmark(time.sleep, 0.01, label="10ms", min_run_time_s=0.2)
+    table = utils.compare(slow, fast)
+    assert table.rows[0].speedup == pytest.approx(1.0)
+    assert 1.6 <= table.speedup("10ms") <= 2.2
+    assert "10ms" in table.to_markdown() and "speedup" in str(table)
+
+
+def test_noisy_measurement_warns():
+    costs = itertools.cycle([0.001, 0.004])
+
+    def jittery():
+        time.sleep(next(costs))
+
+    with pytest.warns(NoisyMeasurementWarning, match="IQR"):
+        t = utils.benchmark(jittery, min_run_time_s=0.1, warmup=0, min_blocks=8)
+    assert t.noisy
+
+
+def test_bad_input_is_named():
+    with pytest.raises(TypeError, match="callable"):
+        utils.benchmark(42)
+    with pytest.raises(ValueError, match="min_run_time_s"):
+        utils.benchmark(time.sleep, 0, min_run_time_s=0)
+    with pytest.raises(ValueError, match="min_run_time_s"):
+        utils.benchmark(time.sleep, 0, min_run_time_s=-1)
+    with pytest.raises(ValueError, match="warmup"):
+        utils.benchmark(time.sleep, 0, warmup=-2)
+    with pytest.raises(ValueError, match="device"):
+        utils.benchmark(time.sleep, 0, device="abacus")
+
+
+def test_compare_validates():
+    t = utils.benchmark(time.sleep, 0.001, label="a", min_run_time_s=0.05)
+    with pytest.raises(ValueError):
+        utils.compare(t)
+    with pytest.raises(ValueError, match="unique"):
+        utils.compare(t, t)
+    with pytest.raises(TypeError):
+        utils.compare(t, 3.0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_cold_l2_needs_cuda():
+    with pytest.raises(ValueError, match="CUDA"):
+        utils.cold_l2_benchmark(time.sleep, 0, device=None)
+
+
+@pytest.mark.gpu
+def test_cuda_timing_is_synchronised():
+    a = torch.randn(4096, 4096, device="cuda")
+    t = utils.benchmark(torch.mm, a, a, device="cuda", min_run_time_s=0.3)
+    flops = 2 * 4096**3
+    # Without synchronisation the "time" would be the launch (~10 us), i.e. far
+    # beyond any GPU's peak; a synchronised fp32 matmul stays below 1000 TFLOP/s.
+    assert utils.achieved_tflops(flops, t.median_s) < 1000
+    cold = utils.cold_l2_benchmark(torch.mm, a, a, n_iter=20)
+    assert cold.median_ms > 0 and cold.calls_per_block == 1
