@@ -130,7 +130,8 @@ class Ledger:
 
     def expect(self, name: str, value: float, *, at_least: float | None = None,
                at_most: float | None = None, applies: bool = True, reason: str = "",
-               description: str | None = None, in_smoke: bool = False) -> Expectation:
+               description: str | None = None, in_smoke: bool = False,
+               unit: str = "") -> Expectation:
         """State and check an expectation; prints its status and returns it.
 
         Args:
@@ -142,12 +143,12 @@ class Ledger:
             description: words for the report (default: the name).
             in_smoke: check it at smoke size too (for hardware-independent
                 facts, such as memory savings that show at any size).
+            unit: the value's unit (``"x"`` for a speedup ratio).
         """
         if (at_least is None) == (at_most is None):
             raise ValueError("give exactly one of at_least= or at_most=")
         op, threshold = (">=", at_least) if at_least is not None else ("<=", at_most)
-        self.record(name, value)
-        value = self.measurements[name].value
+        value = self.record(name, value, unit).value
         if not applies:
             status = NOT_APPLICABLE
         elif self.smoke and not in_smoke:

@@ -12,6 +12,7 @@ events after flushing the L2 cache, the way ``triton.testing.do_bench`` does.
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 import time
@@ -20,7 +21,18 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.utils.benchmark as tbench
+
+# Importing torch.utils.benchmark imports torch.utils.cpp_extension, which logs
+# "No CUDA runtime is found" once on machines without a GPU. That is noise for a
+# learner on a laptop (nothing here builds C++/CUDA extensions), so quiet that one
+# logger for the duration of the import only.
+_cpp_ext_log = logging.getLogger("torch.utils.cpp_extension")
+_saved_level = _cpp_ext_log.level
+_cpp_ext_log.setLevel(logging.ERROR)
+try:
+    import torch.utils.benchmark as tbench
+finally:
+    _cpp_ext_log.setLevel(_saved_level)
 
 from .env import pick_device, synchronize
 

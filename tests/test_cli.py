@@ -1,0 +1,89 @@
+"""The command line, end to end: env, run (papermill), report and student."""
+
+import json
+import os
+import subprocess
+import sys
+
+import nbformat
+import pytest
+
+from conftest import FIXTURES, REPO
+
+TINY = FIXTURES / "tiny_module"
+
+
+def cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "utils", *args], cwd=REPO, capture_output=True,
+                          text=True, env={**os.environ, **(env or {})}, timeout=600)
+
+
+def test_env_command():
+    r = cli("env")
+    assert r.returncode == 0, r.stderr
+    assert "torch" in r.stdout and "compute capability" in r.stdout
+
+
+def test_unknown_device_is_a_clear_error():
+    r = cli("env", "--device", "warp-drive")
+    assert r.returncode == 2
+    assert "error: unknown device 'warp-drive'" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_missing_notebook_is_a_clear_error(tmp_path):
+    r = cli("run", "no/such/notebook.ipynb", "--out", str(tmp_path))
+    assert r.returncode == 2
+    assert "no such notebook or module folder: no/such/notebook.ipynb" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.notebook
+def test_run_a_notebook_then_report(tmp_path):
+    out = tmp_path / "run"
+    r = cli("run", str(TINY / "01_tiny.ipynb"), "--smoke", "--out", str(out), "--no-progress")
+    assert r.returncode == 0, r.stdout + r.stderr
+    executed = nbformat.read(out / "tests/fixtures/tiny_module/01_tiny.ipynb", as_version=4)
+    text = "".join(o.get("text", "") for c in executed.cells if c.cell_type == "code" for o in c.outputs)
+    assert "SMOKE is True" in text  # the --smoke flag reached the parameters cell
+    ledger = json.loads((out / "results/fixtures__01_tiny.json").read_text())
+    assert ledger["smoke"] is True and ledger["measurements"][0]["value"] == 42.0
+    summary = json.loads((out / "run.json").read_text())
+    assert [x["status"] for x in summary["runs"]] == ["ok"]
+
+    rep = cli("report", str(out), "--out", str(tmp_path / "report.md"))
+    assert rep.returncode == 0, rep.stderr
+    md = (tmp_path / "report.md").read_text()
+    assert "fixtures/01_tiny" in md and "| answer | 42 | things |" in md
+    assert (tmp_path / "fixtures__01_tiny.png").exists()  # the speedup plot
+
+
+@pytest.mark.notebook
+def test_a_failing_notebook_loses_nothing(tmp_path):
+    out = tmp_path / "run"
+    r = cli("run", str(TINY), "--out", str(out), "--no-progress")  # the whole folder
+    assert r.returncode == 1
+    assert "1 of 2 notebooks ran cleanly" in r.stdout
+    summary = json.loads((out / "run.json").read_text())
+    assert [x["status"] for x in summary["runs"]] == ["ok", "failed"]
+    assert "deliberate failure" in summary["runs"][1]["error"]
+    # the executed copy with the traceback, and what was measured before it, are kept
+    failed = nbformat.read(out / "tests/fixtures/tiny_module/02_fails.ipynb", as_version=4)
+    assert any(o.get("ename") == "RuntimeError" for c in failed.cells if c.cell_type == "code"
+               for o in c.outputs)
+    assert json.loads((out / "results/fixtures__02_fails.json").read_text())["measurements"]
+
+
+def test_report_without_results_is_a_clear_error(tmp_path):
+    r = cli("report", str(tmp_path))
+    assert r.returncode == 2 and "no ledgers" in r.stderr
+
+
+def test_student_version_strips_solutions_and_keeps_checks(tmp_path):
+    r = cli("student", str(TINY / "01_tiny.ipynb"), "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    nb = nbformat.read(tmp_path / "tests/fixtures/tiny_module/01_tiny.ipynb", as_version=4)
+    src = "\n".join(c.source for c in nb.cells)
+    assert "BEGIN SOLUTION" not in src and "return 2 * x" not in src
+    assert 'raise NotImplementedError("Student exercise: Exercise 1: return twice the input")' in src
+    assert "assert double(21) == 42" in src

@@ -1,0 +1,83 @@
+import json
+
+import pytest
+
+import utils
+from utils.ledger import MET, NOT_APPLICABLE, NOT_MET
+
+
+@pytest.fixture
+def env():
+    return utils.get_env("cpu")
+
+
+def test_round_trip(results_tmp, env):
+    led = utils.Ledger("00-foundations/01_x", smoke=False, env=env, strict=False)
+    led.record("step_ms", 12.5, "ms", note="median")
+    led.expect("bf16_speedup", 2.1, at_least=1.8, description="bf16 >= 1.8x")
+    led.expect("mem_ratio", 0.7, at_most=0.65)
+    path = led.save()
+    assert path.parent == results_tmp and path.name == "00-foundations__01_x.json"
+    back = utils.Ledger.load(path)
+    assert back.to_dict() == led.to_dict()
+    assert back["step_ms"] == 12.5
+    assert back.expectations["bf16_speedup"].status == MET
+    assert back.expectations["mem_ratio"].status == NOT_MET
+    assert back.env["torch_version"] == env.torch_version
+
+
+def test_statuses(env, capsys):
+    led = utils.Ledger("m/n", smoke=False, env=env)
+    assert led.expect("a", 2.0, at_least=1.5).status == MET
+    assert led.expect("b", 1.0, at_least=1.5).status == NOT_MET
+    na = led.expect("c", 1.0, at_least=1.5, applies=False, reason="needs CUDA sm80+")
+    assert na.status == NOT_APPLICABLE and "sm80" in na.reason
+    assert "NOT MET" in capsys.readouterr().out
+
+
+def test_smoke_marks_expectations_not_applicable_and_never_fails(results_tmp, env, monkeypatch):
+    monkeypatch.delenv("COURSE_STRICT", raising=False)
+    led = utils.Ledger("m/smoke", smoke=True, env=env)
+    e = led.expect("speedup", 0.5, at_least=1.8)
+    assert e.status == NOT_APPLICABLE and "smoke" in e.reason
+    assert led.expect("saving", 0.5, at_most=0.6, in_smoke=True).status == MET
+    led.finish()  # does not raise
+
+
+def test_full_size_miss_fails_after_saving(results_tmp, env, monkeypatch):
+    monkeypatch.delenv("COURSE_STRICT", raising=False)
+    led = utils.Ledger("m/full", smoke=False, env=env)
+    led.expect("speedup", 1.1, at_least=1.8)
+    with pytest.raises(utils.ExpectationNotMet, match="speedup"):
+        led.finish()
+    saved = json.loads((results_tmp / "m__full.json").read_text())
+    assert saved["expectations"][0]["status"] == NOT_MET
+
+
+def test_strict_can_be_switched_off(env, monkeypatch):
+    monkeypatch.setenv("COURSE_STRICT", "0")
+    assert utils.Ledger("m/x", smoke=False, env=env).strict is False
+    monkeypatch.setenv("COURSE_STRICT", "1")
+    assert utils.Ledger("m/x", smoke=True, env=env).strict is True
+
+
+def test_autosave_keeps_every_record(results_tmp, env):
+    led = utils.Ledger("m/auto", smoke=True, env=env, autosave=True)
+    led.record("first", 1.0)
+    assert utils.Ledger.load(results_tmp / "m__auto.json")["first"] == 1.0
+
+
+def test_bad_input(env):
+    led = utils.Ledger("m/bad", smoke=True, env=env)
+    with pytest.raises(ValueError, match="NaN"):
+        led.record("x", float("nan"))
+    with pytest.raises(TypeError, match="number"):
+        led.record("x", "fast")
+    with pytest.raises(ValueError, match="exactly one"):
+        led.expect("x", 1.0)
+    with pytest.raises(ValueError, match="exactly one"):
+        led.expect("x", 1.0, at_least=1, at_most=2)
+    with pytest.raises(ValueError):
+        utils.Ledger("", smoke=True, env=env)
+    with pytest.raises(FileNotFoundError):
+        utils.Ledger.load("/nonexistent/ledger.json")

@@ -1,0 +1,101 @@
+"""Every course notebook keeps the contract in CONTRIBUTING.md."""
+
+from __future__ import annotations
+
+import re
+
+import nbformat
+import pytest
+
+from conftest import REPO, course_notebooks
+from utils.student import strip_solutions
+
+NOTEBOOKS = course_notebooks()
+IDS = [str(p.relative_to(REPO)) for p in NOTEBOOKS]
+MODULES = ["00-foundations", "01-torch-compile", "02-mixed-precision", "03-fused-operations",
+           "04-memory-efficiency", "05-distributed"]
+
+
+def test_every_module_has_a_readme():
+    for module in MODULES:
+        assert (REPO / module / "README.md").is_file(), module
+
+
+def test_foundations_has_at_least_three_notebooks():
+    assert len([p for p in NOTEBOOKS if p.parent.name == "00-foundations"]) >= 3
+
+
+def _md(nb, pattern):
+    return [i for i, c in enumerate(nb.cells)
+            if c.cell_type == "markdown" and re.search(pattern, c.source, re.M)]
+
+
+def _code(nb):
+    return [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+
+
+@pytest.fixture(params=NOTEBOOKS, ids=IDS)
+def nb_path(request):
+    return request.param
+
+
+def test_clean_and_python3(nb_path):
+    nb = nbformat.read(nb_path, as_version=4)
+    nbformat.validate(nb)
+    assert nb.metadata["kernelspec"]["name"] == "python3"
+    for c in nb.cells:
+        if c.cell_type == "code":
+            assert c.outputs == [] and c.execution_count is None, "commit notebooks without outputs"
+
+
+def test_contract(nb_path):
+    nb = nbformat.read(nb_path, as_version=4)
+    cells = nb.cells
+    name = f"{nb_path.parent.name}/{nb_path.stem}"
+    assert cells[0].cell_type == "markdown" and cells[0].source.startswith("# "), "title first"
+    assert len(cells[0].source.strip().splitlines()) >= 2, "a one-line promise under the title"
+
+    objectives = _md(nb, r"^## Learning objectives")
+    assert objectives, "a Learning objectives section"
+    bullets = [ln for ln in cells[objectives[0]].source.splitlines()
+               if re.match(r"\s*([-*]|\d+\.)\s", ln)]
+    assert 3 <= len(bullets) <= 5, f"3-5 learning objectives, found {len(bullets)}"
+
+    assert _md(nb, r"^## Setup"), "a Setup section"
+    assert any("utils.print_env(" in cells[i].source for i in _code(nb)), "environment printout"
+
+    params = [i for i in _code(nb) if "parameters" in cells[i].metadata.get("tags", [])]
+    assert len(params) == 1, "exactly one cell tagged 'parameters'"
+    assert re.search(r"^SMOKE\s*=\s*None", cells[params[0]].source, re.M)
+    after = [i for i in _code(nb) if i > params[0]][0]
+    sizes = cells[after].source
+    assert "utils.resolve_smoke(SMOKE)" in sizes, "sizes cell resolves the smoke switch"
+    assert f'utils.Ledger("{name}"' in sizes, f"ledger named {name!r} in the sizes cell"
+
+    assert _md(nb, r"^## 1\. ") and _md(nb, r"^## 2\. "), "numbered sections"
+
+    exercises = _md(nb, r"^## Exercises")
+    assert exercises, "an Exercises section"
+    sol = [i for i in _code(nb) if i > exercises[0] and "### BEGIN SOLUTION" in cells[i].source]
+    assert sol, "at least one exercise with a solution block"
+    for i in sol:
+        assert "### END SOLUTION" in cells[i].source
+        assert re.search(r"#\s*Exercise \d+", cells[i].source), "name the exercise"
+        check = [j for j in _code(nb) if j > i][0]
+        assert "assert" in cells[check].source, "a check cell that asserts follows each exercise"
+        stub = strip_solutions(cells[i].source)
+        assert "NotImplementedError" in stub and "BEGIN SOLUTION" not in stub
+
+    summary = _md(nb, r"^## Summary")
+    assert summary and summary[0] > exercises[0], "a Summary after the exercises"
+    assert "ledger.finish()" in cells[_code(nb)[-1]].source, "the last code cell saves the ledger"
+
+
+def test_correctness_is_checked_before_timing(nb_path):
+    nb = nbformat.read(nb_path, as_version=4)
+    code = [c.source for c in nb.cells if c.cell_type == "code"]
+    timed = [i for i, src in enumerate(code) if re.search(r"\bbenchmark\(", src)]
+    if not timed:
+        pytest.skip("this notebook times nothing with utils.benchmark")
+    before = "\n".join(code[: timed[0] + 1])
+    assert re.search(r"\bassert\b|assert_close", before), "check correctness before the first timing"

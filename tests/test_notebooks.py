@@ -1,0 +1,72 @@
+"""Execute every course notebook: smoke size here, full size on a GPU node.
+
+CI (no GPU) runs each notebook through papermill at smoke size and one through
+nbval in lax mode, the way an instructor grades. On a GPU (``pytest -m gpu``)
+every notebook runs at full size through both, and a missed expectation
+fails the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, course_notebooks
+from utils.runner import run_notebooks
+
+NOTEBOOKS = course_notebooks()
+IDS = [str(p.relative_to(REPO)) for p in NOTEBOOKS]
+# The notebook CI also runs through nbval (lax), the path instructors use.
+NBVAL_ON_CPU = REPO / "00-foundations" / "01_measuring_performance.ipynb"
+
+
+def _execute(nb, tmp_path, smoke, monkeypatch):
+    monkeypatch.setenv("COURSE_STRICT", "0" if smoke else "1")
+    out = tmp_path / "out"
+    [run] = run_notebooks([nb], out_dir=out, smoke=smoke, progress=False)
+    assert run.status == "ok", f"{run.notebook} failed; executed copy: {run.executed}\n{run.error}"
+    ledger_file = out / "results" / f"{nb.parent.name}__{nb.stem}.json"
+    ledger = json.loads(ledger_file.read_text())
+    assert ledger["smoke"] is smoke and ledger["measurements"], "the notebook recorded results"
+    return ledger
+
+
+def _nbval(nb, tmp_path, smoke):
+    env = {**os.environ, "COURSE_SMOKE": "1" if smoke else "0",
+           "COURSE_RESULTS_DIR": str(tmp_path / "nbval-results"),
+           "COURSE_STRICT": "0" if smoke else "1"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", str(nb), "-q",
+                        "-p", "no:cacheprovider", "-p", "no:randomly", "-o", "addopts="],
+                       cwd=nb.parent, env=env, capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=IDS)
+def test_smoke(nb, tmp_path, monkeypatch):
+    _execute(nb, tmp_path, smoke=True, monkeypatch=monkeypatch)
+
+
+@pytest.mark.notebook
+def test_nbval_lax_smoke(tmp_path):
+    _nbval(NBVAL_ON_CPU, tmp_path, smoke=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.notebook
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=IDS)
+def test_full_size_on_gpu(nb, tmp_path, monkeypatch):
+    ledger = _execute(nb, tmp_path, smoke=False, monkeypatch=monkeypatch)
+    missed = [e for e in ledger["expectations"] if e["status"] == "not met"]
+    assert not missed, missed
+
+
+@pytest.mark.gpu
+@pytest.mark.notebook
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=IDS)
+def test_nbval_lax_full_size_on_gpu(nb, tmp_path):
+    _nbval(nb, tmp_path, smoke=False)
