@@ -1,10 +1,13 @@
 """Timing that is right on CPU and CUDA.
 
-:func:`benchmark` wraps :class:`torch.utils.benchmark.Timer`, which
-synchronises the accelerator around each block of runs and sizes the blocks
-so that timer overhead is negligible. On top of it we add an explicit warm-up,
-the number of CPU threads the notebook actually uses (the Timer's default is
-one), and a warning when the spread is too large to trust the median.
+:func:`benchmark` is built on :mod:`torch.utils.benchmark`: its clock
+synchronises the accelerator before every reading, its thread control fixes
+the CPU thread count, and results carry its ``Measurement`` (so
+``torch.utils.benchmark.Compare`` works on them). We add an explicit warm-up,
+blocks sized from a timed call so that there are enough of them for a median
+and an IQR, the number of CPU threads the notebook actually uses (the
+``Timer``'s default is one), and a warning when the spread is too large to
+trust the median.
 
 :func:`cold_l2_benchmark` times single kernel calls on CUDA with their own
 events after flushing the L2 cache, the way ``triton.testing.do_bench`` does.
@@ -16,6 +19,7 @@ import logging
 import math
 import statistics
 import time
+import timeit
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -31,6 +35,8 @@ _saved_level = _cpp_ext_log.level
 _cpp_ext_log.setLevel(logging.ERROR)
 try:
     import torch.utils.benchmark as tbench
+    from torch.utils.benchmark.utils import common as _tb_common
+    from torch.utils.benchmark.utils.timer import timer as _sync_clock
 finally:
     _cpp_ext_log.setLevel(_saved_level)
 
@@ -119,8 +125,9 @@ def _quantiles(values: Sequence[float]) -> tuple[float, float, float]:
     return q[0], q[1], q[2]
 
 
-def _estimate_call_s(call: Callable[[], None], dev: torch.device) -> float:
-    """Median wall time of a few synchronised calls (at most ~3, fewer when slow)."""
+def _estimate_call_s(call: Callable[[], None], dev: torch.device, block_s: float) -> float:
+    """Median wall time of up to 3 synchronised calls; one suffices when a call
+    already outlasts a block (the block is then a single call anyway)."""
     samples = []
     for _ in range(3):
         synchronize(dev)
@@ -128,7 +135,7 @@ def _estimate_call_s(call: Callable[[], None], dev: torch.device) -> float:
         call()
         synchronize(dev)
         samples.append(time.perf_counter() - t0)
-        if samples[-1] > 0.5:
+        if samples[-1] >= block_s:
             break
     return statistics.median(samples)
 
@@ -148,8 +155,9 @@ def benchmark(
     """Time ``fn(*args, **kwargs)`` and return its per-call statistics.
 
     The callable is warmed up (first calls pay for allocation, autotuning and
-    compilation), then timed in blocks of calls with :meth:`torch.utils.benchmark.Timer.timeit`,
-    which synchronises the accelerator before reading the clock. Blocks are
+    compilation), then timed in blocks of calls with the clock of
+    :mod:`torch.utils.benchmark`, which synchronises the accelerator before
+    every reading, under its thread-count control. Blocks are
     sized from a timed warm-up call so that about 20 of them fill
     ``min_run_time_s`` (at least ``min_blocks``); the median and IQR are over
     blocks. On MPS we synchronise
@@ -193,30 +201,29 @@ def benchmark(
         def call() -> None:
             fn(*args, **kwargs)
 
-    for _ in range(warmup):
-        call()
-    # Estimate the cost of one call (these calls also warm up), then size the
-    # blocks so that ~20 of them fill min_run_time_s and each lasts >= 1 ms,
-    # which keeps the timer's own overhead (about a microsecond) negligible.
-    estimate_s = _estimate_call_s(call, dev)
-    target_block_s = max(min_run_time_s / 20, 1e-3)
-    number = max(1, round(target_block_s / max(estimate_s, 1e-9)))
-
-    timer = tbench.Timer(
-        stmt="__course_call()",
-        globals={"__course_call": call},
-        label=name,
-        description=name,
-        num_threads=num_threads or torch.get_num_threads(),
-    )
-    blocks = []
-    spent = 0.0
-    while spent < min_run_time_s or len(blocks) < min_blocks:
-        block = timer.timeit(number)  # synchronises the accelerator around the block
-        blocks.append(block)
-        spent += block.times[0] * number
-    m = tbench.Measurement.merge(blocks)[0]
-    times_ms = tuple(b.times[0] * 1e3 for b in blocks)  # per call, one value per block
+    threads = num_threads or torch.get_num_threads()
+    # torch's Timer.timeit() adds max(number // 100, 2) untimed calls to every
+    # block, which triples the cost of timing a slow step one call at a time.
+    # So we drive blocks ourselves with timeit and torch.utils.benchmark's own
+    # clock, which synchronises the accelerator before every reading.
+    clock = timeit.Timer(stmt="__course_call()", globals={"__course_call": call},
+                         timer=_sync_clock)
+    with _tb_common.set_torch_threads(threads):
+        for _ in range(warmup):
+            call()
+        # Estimate one call (these calls warm up too), then size the blocks so
+        # that ~20 of them fill min_run_time_s and each lasts >= 1 ms, which
+        # keeps the clock's own overhead (about a microsecond) negligible.
+        target_block_s = max(min_run_time_s / 20, 1e-3)
+        estimate_s = _estimate_call_s(call, dev, target_block_s)
+        number = max(1, round(target_block_s / max(estimate_s, 1e-9)))
+        raw_s: list[float] = []
+        while sum(raw_s) < min_run_time_s or len(raw_s) < min_blocks:
+            raw_s.append(clock.timeit(number))
+    task = _tb_common.TaskSpec(stmt=name, setup="", label=name, description=name,
+                               num_threads=threads)
+    m = tbench.Measurement(number_per_run=number, raw_times=raw_s, task_spec=task)
+    times_ms = tuple(t / number * 1e3 for t in raw_s)  # per call, one value per block
     q1, med, q3 = _quantiles(times_ms)
     result = Timing(
         label=name,
@@ -227,7 +234,7 @@ def benchmark(
         n_blocks=len(times_ms),
         calls_per_block=number,
         device=str(dev),
-        method="torch.utils.benchmark.Timer, synchronised blocks",
+        method="torch.utils.benchmark clock, synchronised blocks",
         times_ms=times_ms,
         measurement=m,
     )
