@@ -91,6 +91,7 @@ def memory_bars(values: Mapping[str, float], title: str = "", ax: Any = None,
         for y, total in enumerate(left):
             ax.annotate(format_bytes(total * 2**20), (total, y), xytext=(3, 0),
                         textcoords="offset points", va="center", fontsize=8)
+        ax.invert_yaxis()  # first variant on top, in reading order
         ax.legend(loc="best")
     else:
         if not values:
