@@ -130,6 +130,8 @@ class Ceilings:
     bandwidth_gbs: float
     matmul_size: int
     copy_bytes: int
+    num_threads: int = 0  # CPU threads used when measuring (a CPU ceiling depends on it)
+    matmul_precision: str = ""  # torch.get_float32_matmul_precision() at the time
 
     @property
     def ridge_flops_per_byte(self) -> float:
@@ -157,6 +159,8 @@ def measure_ceilings(
         bandwidth_gbs=measure_bandwidth_gbs(dev, nbytes, rt),
         matmul_size=n,
         copy_bytes=nbytes,
+        num_threads=torch.get_num_threads(),
+        matmul_precision=torch.get_float32_matmul_precision(),
     )
 
 
@@ -184,6 +188,7 @@ def plot_roofline(
     ceilings: Ceilings,
     ax: Any = None,
     title: str | None = None,
+    figsize: tuple[float, float] = (7, 4.5),
 ) -> Any:
     """Draw the measured roofline and place ``points`` on it; returns the Axes."""
     import matplotlib.pyplot as plt
@@ -193,7 +198,7 @@ def plot_roofline(
 
     use_style()
     if ax is None:
-        _, ax = plt.subplots(figsize=(7, 4.5))
+        _, ax = plt.subplots(figsize=figsize)
     if not points:
         raise ValueError("plot_roofline needs at least one point")
     peak = ceilings.matmul_tflops
