@@ -110,6 +110,20 @@ def memory_bars(values: Mapping[str, float], title: str = "", ax: Any = None,
     return ax
 
 
+def _plain_log_ticks(axis: Any) -> None:
+    """Label a log axis 0.5, 2, 1000 rather than 5x10^-1, 2x10^0, 10^3.
+
+    Minor ticks get labels only when the axis spans less than 20x, where
+    there would otherwise be one label or none.
+    """
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    axis.set_major_formatter(plain)
+    lo, hi = sorted(axis.get_view_interval())
+    axis.set_minor_formatter(plain if lo > 0 and hi / lo < 20 else NullFormatter())
+
+
 def sweep_plot(x: Sequence[float], series: Mapping[str, Sequence[float]], xlabel: str,
                ylabel: str, title: str = "", ax: Any = None, logx: bool = False,
                logy: bool = False) -> Any:
@@ -126,8 +140,10 @@ def sweep_plot(x: Sequence[float], series: Mapping[str, Sequence[float]], xlabel
     ax.set_title(title)
     if logx:
         ax.set_xscale("log")
+        _plain_log_ticks(ax.xaxis)
     if logy:
         ax.set_yscale("log")
+        _plain_log_ticks(ax.yaxis)
     if len(series) > 1:
         ax.legend()
     return ax

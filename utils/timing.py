@@ -220,7 +220,7 @@ def benchmark(
         raw_s: list[float] = []
         while sum(raw_s) < min_run_time_s or len(raw_s) < min_blocks:
             raw_s.append(clock.timeit(number))
-    task = _tb_common.TaskSpec(stmt=name, setup="", label=name, description=name,
+    task = _tb_common.TaskSpec(stmt=name, setup="", label=name, description=str(dev),
                                num_threads=threads)
     m = tbench.Measurement(number_per_run=number, raw_times=raw_s, task_spec=task)
     times_ms = tuple(t / number * 1e3 for t in raw_s)  # per call, one value per block
