@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset
 
 __all__ = [
     "SyntheticImages",
@@ -123,15 +123,15 @@ class CPUHeavyImages(SyntheticImages):
 
 
 def worker_init(worker_id: int) -> None:
-    """DataLoader ``worker_init_fn``: one intra-op thread per worker.
+    """DataLoader ``worker_init_fn``: one intra-op thread per worker, said out loud.
 
-    Without it each worker's PyTorch ops would use all cores, and ``N`` workers
-    would fight over them.
+    PyTorch's worker loop already sets one thread and seeds each worker; this
+    makes the setting explicit in the code a learner reads, and is the place to
+    cap other libraries' thread pools (e.g. ``cv2.setNumThreads(0)``), which
+    PyTorch does not touch. ``N`` workers each using every core would fight
+    over them.
     """
     torch.set_num_threads(1)
-    info = get_worker_info()
-    if info is not None:
-        torch.manual_seed(info.seed % 2**31)
 
 
 class CUDAPrefetcher:

@@ -99,7 +99,7 @@ class EnvInfo:
     flash_attention_supported: bool
     float32_matmul_precision: str
     cpu_threads: int
-    cpu_count: int
+    cpu_count: int  # cores this process may use (its affinity set)
     python_version: str
     platform: str
 
@@ -122,6 +122,14 @@ class EnvInfo:
             else ""
         )
         return f"{self.device_name}{cc}, torch {self.torch_version}"
+
+
+def usable_cpu_count() -> int:
+    """Cores this process may run on (the CPU affinity set, which honours a
+    cluster job's allocation), else ``os.cpu_count()``."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _cpu_name() -> str:
@@ -177,7 +185,7 @@ def get_env(device: str | torch.device | None = None) -> EnvInfo:
         flash_attention_supported=_flash_attention_supported(dev),
         float32_matmul_precision=torch.get_float32_matmul_precision(),
         cpu_threads=torch.get_num_threads(),
-        cpu_count=os.cpu_count() or 1,
+        cpu_count=usable_cpu_count(),
         python_version=sys.version.split()[0],
         platform=platform.platform(terse=True),
     )
