@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import nbformat
+import papermill
 import pytest
 
 from conftest import REPO, course_notebooks
@@ -67,6 +68,8 @@ def test_contract(nb_path):
     params = [i for i in _code(nb) if "parameters" in cells[i].metadata.get("tags", [])]
     assert len(params) == 1, "exactly one cell tagged 'parameters'"
     assert re.search(r"^SMOKE\s*=\s*None", cells[params[0]].source, re.M)
+    # papermill must understand the cell, or it warns and cannot list the parameter
+    assert "SMOKE" in papermill.inspect_notebook(str(nb_path)), "papermill cannot parse SMOKE"
     after = [i for i in _code(nb) if i > params[0]][0]
     sizes = cells[after].source
     assert "utils.resolve_smoke(SMOKE)" in sizes, "sizes cell resolves the smoke switch"

@@ -31,7 +31,7 @@ from .memory import (
     tensor_bytes,
 )
 from .models import MLP, GPTConfig, SmallCNN, TinyGPT, count_parameters
-from .plots import memory_bars, speedup_bars, sweep_plot, use_style
+from .plots import memory_bars, plain_log_ticks, speedup_bars, sweep_plot, use_style
 from .timing import (
     NoisyMeasurementWarning,
     SpeedupTable,
@@ -61,7 +61,7 @@ __all__ = [
     "MLP", "SmallCNN", "GPTConfig", "TinyGPT", "count_parameters", "SyntheticImages",
     "SyntheticTokens", "CPUHeavyImages", "CUDAPrefetcher", "worker_init",
     # plots
-    "use_style", "speedup_bars", "memory_bars", "sweep_plot",
+    "use_style", "speedup_bars", "memory_bars", "sweep_plot", "plain_log_ticks",
     # ledger
     "Ledger", "Measurement", "Expectation", "ExpectationNotMet", "results_dir",
 ]

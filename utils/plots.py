@@ -7,7 +7,7 @@ from typing import Any, Mapping, Sequence
 from .memory import format_bytes
 from .timing import SpeedupTable
 
-__all__ = ["use_style", "speedup_bars", "memory_bars", "sweep_plot"]
+__all__ = ["use_style", "speedup_bars", "memory_bars", "sweep_plot", "plain_log_ticks"]
 
 _STYLE = {
     "figure.dpi": 110,
@@ -110,18 +110,22 @@ def memory_bars(values: Mapping[str, float], title: str = "", ax: Any = None,
     return ax
 
 
-def _plain_log_ticks(axis: Any) -> None:
-    """Label a log axis 0.5, 2, 1000 rather than 5x10^-1, 2x10^0, 10^3.
+def plain_log_ticks(ax: Any) -> Any:
+    """Label an Axes' log axes 0.5, 2, 1000 rather than 5x10^-1, 2x10^0, 10^3.
 
-    Minor ticks get labels only when the axis spans less than 20x, where
-    there would otherwise be one label or none.
+    Minor ticks get labels only when an axis spans less than 20x, where there
+    would otherwise be one label or none. Linear axes are left alone.
     """
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
     plain = FuncFormatter(lambda v, _: f"{v:g}")
-    axis.set_major_formatter(plain)
-    lo, hi = sorted(axis.get_view_interval())
-    axis.set_minor_formatter(plain if lo > 0 and hi / lo < 20 else NullFormatter())
+    for axis in (ax.xaxis, ax.yaxis):
+        if axis.get_scale() != "log":
+            continue
+        lo, hi = sorted(axis.get_view_interval())
+        axis.set_major_formatter(plain)
+        axis.set_minor_formatter(plain if lo > 0 and hi / lo < 20 else NullFormatter())
+    return ax
 
 
 def sweep_plot(x: Sequence[float], series: Mapping[str, Sequence[float]], xlabel: str,
@@ -140,10 +144,9 @@ def sweep_plot(x: Sequence[float], series: Mapping[str, Sequence[float]], xlabel
     ax.set_title(title)
     if logx:
         ax.set_xscale("log")
-        _plain_log_ticks(ax.xaxis)
     if logy:
         ax.set_yscale("log")
-        _plain_log_ticks(ax.yaxis)
+    plain_log_ticks(ax)
     if len(series) > 1:
         ax.legend()
     return ax
