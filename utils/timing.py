@@ -78,6 +78,18 @@ class Timing:
     times_ms: tuple[float, ...] = field(repr=False)
     measurement: Any = field(default=None, repr=False, compare=False)
 
+    @classmethod
+    def from_times(cls, label: str, times_ms: Sequence[float], calls_per_block: int,
+                   device: str, method: str, measurement: Any = None) -> "Timing":
+        """Statistics over per-call times, one value per timed block."""
+        if not times_ms:
+            raise ValueError(f"{label}: no timings to summarise")
+        q1, med, q3 = _quantiles(times_ms)
+        return cls(label=label, median_ms=med, iqr_ms=q3 - q1,
+                   mean_ms=statistics.fmean(times_ms), min_ms=min(times_ms),
+                   n_blocks=len(times_ms), calls_per_block=calls_per_block, device=device,
+                   method=method, times_ms=tuple(times_ms), measurement=measurement)
+
     @property
     def iqr_fraction(self) -> float:
         """IQR as a fraction of the median: the relative spread."""
@@ -224,20 +236,8 @@ def benchmark(
                                num_threads=threads)
     m = tbench.Measurement(number_per_run=number, raw_times=raw_s, task_spec=task)
     times_ms = tuple(t / number * 1e3 for t in raw_s)  # per call, one value per block
-    q1, med, q3 = _quantiles(times_ms)
-    result = Timing(
-        label=name,
-        median_ms=med,
-        iqr_ms=q3 - q1,
-        mean_ms=statistics.fmean(times_ms),
-        min_ms=min(times_ms),
-        n_blocks=len(times_ms),
-        calls_per_block=number,
-        device=str(dev),
-        method="torch.utils.benchmark clock, synchronised blocks",
-        times_ms=times_ms,
-        measurement=m,
-    )
+    result = Timing.from_times(name, times_ms, number, str(dev),
+                               "torch.utils.benchmark clock, synchronised blocks", m)
     if warn_if_noisy and result.noisy:
         warnings.warn(
             f"{name}: IQR is {result.iqr_fraction:.0%} of the median "
@@ -288,32 +288,23 @@ def cold_l2_benchmark(
     if flush_bytes is None:
         l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or 0
         flush_bytes = max(4 * l2, 64 * 1024**2)
-    flush = torch.empty(int(flush_bytes) // 4, dtype=torch.int32, device=dev)
-    for _ in range(warmup):
-        fn(*args, **kwargs)
-    torch.cuda.synchronize(dev)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_iter)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_iter)]
-    for i in range(n_iter):
-        flush.zero_()
-        starts[i].record()
-        fn(*args, **kwargs)
-        ends[i].record()
-    torch.cuda.synchronize(dev)
+    # Events record on the current stream of the current device: make that `dev`.
+    with torch.cuda.device(dev):
+        flush = torch.empty(int(flush_bytes) // 4, dtype=torch.int32, device=dev)
+        for _ in range(warmup):
+            fn(*args, **kwargs)
+        torch.cuda.synchronize(dev)
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_iter)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_iter)]
+        for i in range(n_iter):
+            flush.zero_()
+            starts[i].record()
+            fn(*args, **kwargs)
+            ends[i].record()
+        torch.cuda.synchronize(dev)
     times_ms = tuple(s.elapsed_time(e) for s, e in zip(starts, ends))
-    q1, med, q3 = _quantiles(times_ms)
-    return Timing(
-        label=label or getattr(fn, "__name__", "fn"),
-        median_ms=med,
-        iqr_ms=q3 - q1,
-        mean_ms=statistics.fmean(times_ms),
-        min_ms=min(times_ms),
-        n_blocks=n_iter,
-        calls_per_block=1,
-        device=str(dev),
-        method="CUDA events, L2 flushed before each call",
-        times_ms=times_ms,
-    )
+    return Timing.from_times(label or getattr(fn, "__name__", "fn"), times_ms, 1, str(dev),
+                             "CUDA events, L2 flushed before each call")
 
 
 @dataclass(frozen=True)
