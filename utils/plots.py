@@ -41,30 +41,39 @@ def _axes(ax: Any, figsize: tuple[float, float]) -> Any:
     return ax
 
 
-def speedup_bars(table: SpeedupTable | Mapping[str, float], title: str = "", ax: Any = None) -> Any:
+def speedup_bars(table: SpeedupTable | Mapping[str, float], title: str = "", ax: Any = None,
+                 baseline: str | None = None, xlabel: str | None = None) -> Any:
     """Horizontal bars of speedup over the baseline; a dashed line marks 1x.
 
     Bars slower than the baseline are red: a slowdown is a result, not an error.
+
+    Args:
+        table: a :class:`SpeedupTable`, or a mapping label -> ratio.
+        baseline: the baseline's label, drawn grey (default: the table's
+            baseline, or a mapping's first key; ``""`` for none).
+        xlabel: the axis label (default: "speedup vs <baseline> (higher is better)").
     """
     if isinstance(table, SpeedupTable):
         items = [(r.label, r.speedup) for r in table.rows]
-        base = table.baseline
+        base = table.baseline if baseline is None else baseline
     else:
         items = list(table.items())
-        base = items[0][0] if items else ""
+        base = (items[0][0] if items else "") if baseline is None else baseline
     if not items:
         raise ValueError("speedup_bars needs at least one value")
     ax = _axes(ax, (6.5, 0.45 * len(items) + 1.2))
     labels = [k for k, _ in items][::-1]
     values = [v for _, v in items][::-1]
-    colors = [BASELINE_COLOR if k == base else (SLOWER_COLOR if v < 1 else CANDIDATE_COLOR)
+    # Red marks a slowdown against a baseline; plain ratios (no baseline) get one colour.
+    colors = [BASELINE_COLOR if k == base else
+              (SLOWER_COLOR if v < 1 and base else CANDIDATE_COLOR)
               for k, v in zip(labels, values)]
     ax.barh(labels, values, color=colors)
     ax.axvline(1.0, color="black", ls="--", lw=1)
     for y, v in enumerate(values):
         ax.annotate(f"{v:.2f}x", (v, y), xytext=(3, 0), textcoords="offset points",
                     va="center", fontsize=8)
-    ax.set_xlabel(f"speedup vs {base} (higher is better)")
+    ax.set_xlabel(xlabel or f"speedup vs {base} (higher is better)")
     ax.set_title(title)
     ax.margins(x=0.15)
     return ax

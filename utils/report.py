@@ -62,7 +62,7 @@ def markdown_report(ledgers: Sequence[Ledger]) -> str:
 
 def write_report(paths: Sequence[str | os.PathLike], out: str | os.PathLike | None = None,
                  plots: bool = True) -> Path:
-    """Write ``report.md`` (and one speedup plot per notebook that has ratios).
+    """Write ``report.md`` (and one bar plot per notebook of its ratios, unit ``x``).
 
     Returns the path of the markdown file.
     """
@@ -84,7 +84,8 @@ def write_report(paths: Sequence[str | os.PathLike], out: str | os.PathLike | No
             ratios = {m.name: m.value for m in led.measurements.values() if m.unit == "x"}
             if not ratios:
                 continue
-            ax = speedup_bars({"1x": 1.0, **ratios}, title=f"{led.notebook}\n{_env_line(led)}")
+            ax = speedup_bars(ratios, title=f"{led.notebook}\n{_env_line(led)}", baseline="",
+                              xlabel="measured ratio (x); the dashed line marks 1x")
             png = out_path.parent / (led.notebook.replace("/", "__") + ".png")
             ax.figure.savefig(png, bbox_inches="tight")
             plt.close(ax.figure)
