@@ -21,19 +21,19 @@ def _cmd_env(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .runner import run_notebooks
+    from .runner import default_out_dir, run_notebooks
 
     smoke = True if args.smoke else (False if args.full else None)
-    runs = run_notebooks(args.paths, out_dir=args.out, smoke=smoke, timeout_s=args.timeout,
+    out = Path(args.out) if args.out else default_out_dir()
+    runs = run_notebooks(args.paths, out_dir=out, smoke=smoke, timeout_s=args.timeout,
                          kernel=args.kernel, log_output=args.log_output,
                          progress=not args.no_progress)
     failed = [r for r in runs if r.status != "ok"]
-    out = Path(runs[0].executed).parent if runs else None
     print(f"\n{len(runs) - len(failed)} of {len(runs)} notebooks ran cleanly.")
     for r in failed:
         print(f"FAILED {r.notebook}: executed copy with the error at {r.executed}")
-    if out is not None:
-        print("Summarise with: python -m utils report " + str(Path(args.out or out)))
+    print(f"Executed notebooks, results JSON and run.json are in {out}")
+    print(f"Summarise with: python -m utils report {out}")
     return 1 if failed else 0
 
 

@@ -114,6 +114,12 @@ class Ledger:
     # -- recording -------------------------------------------------------------
     def record(self, name: str, value: float, unit: str = "", note: str = "") -> Measurement:
         """Record a measured number under ``name`` (a later record replaces it)."""
+        m = self._measurement(name, value, unit, note)
+        if self.autosave:
+            self.save()
+        return m
+
+    def _measurement(self, name: str, value: float, unit: str, note: str) -> Measurement:
         if not name:
             raise ValueError("a measurement needs a name")
         try:
@@ -124,8 +130,6 @@ class Ledger:
             raise ValueError(f"measurement {name!r} is NaN: the measurement failed")
         m = Measurement(name, value, unit, note)
         self.measurements[name] = m
-        if self.autosave:
-            self.save()
         return m
 
     def expect(self, name: str, value: float, *, at_least: float | None = None,
@@ -148,7 +152,7 @@ class Ledger:
         if (at_least is None) == (at_most is None):
             raise ValueError("give exactly one of at_least= or at_most=")
         op, threshold = (">=", at_least) if at_least is not None else ("<=", at_most)
-        value = self.record(name, value, unit).value
+        value = self._measurement(name, value, unit, "").value
         if not applies:
             status = NOT_APPLICABLE
         elif self.smoke and not in_smoke:
