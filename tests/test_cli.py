@@ -74,6 +74,14 @@ def test_a_failing_notebook_loses_nothing(tmp_path):
     assert json.loads((out / "results/fixtures__02_fails.json").read_text())["measurements"]
 
 
+@pytest.mark.notebook
+def test_log_output_streams_cell_output_for_batch_logs(tmp_path):
+    r = cli("run", str(TINY / "01_tiny.ipynb"), "--smoke", "--log-output", "--no-progress",
+            "--out", str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr
+    assert "SMOKE is True" in r.stdout + r.stderr  # the cell's print reached the job log
+
+
 def test_report_without_results_is_a_clear_error(tmp_path):
     r = cli("report", str(tmp_path))
     assert r.returncode == 2 and "no ledgers" in r.stderr

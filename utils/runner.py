@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -60,6 +61,21 @@ def find_notebooks(paths: Sequence[str | os.PathLike]) -> list[Path]:
     return [f.resolve() for f in dict.fromkeys(found)]
 
 
+def _stream_papermill_log() -> None:
+    """Print papermill's log (where it puts cell output with ``log_output``) to stderr.
+
+    papermill's own CLI configures logging; called as a library it stays
+    silent unless we do.
+    """
+    log = logging.getLogger("papermill")
+    if not any(getattr(h, "_course_stream", False) for h in log.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler._course_stream = True  # type: ignore[attr-defined]
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)
+
+
 def default_out_dir() -> Path:
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     return REPO_ROOT / "results" / "local" / f"run-{stamp}"
@@ -97,6 +113,8 @@ def run_notebooks(
     if timeout_s is not None and timeout_s <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout_s}")
     notebooks = find_notebooks(paths)
+    if log_output:
+        _stream_papermill_log()
     out = Path(out_dir) if out_dir is not None else default_out_dir()
     out.mkdir(parents=True, exist_ok=True)
     results = out / "results"
