@@ -2,7 +2,8 @@
 
 Every notebook imports this package for its environment report, timing,
 memory probes, FLOP counting, reference models, synthetic data, plots and the
-results ledger. The public surface is what ``__all__`` lists.
+results ledger. The public surface is what ``__all__`` lists, plus :mod:`utils.distributed`
+(launching ``torchrun`` workers and setting one up).
 """
 
 from .data import CPUHeavyImages, CUDAPrefetcher, SyntheticImages, SyntheticTokens, worker_init
@@ -32,6 +33,7 @@ from .memory import (
 )
 from .models import MLP, GPTConfig, SmallCNN, TinyGPT, count_parameters
 from .plots import memory_bars, plain_log_ticks, speedup_bars, sweep_plot, use_style
+from .training import first_call_s, image_batch, lm_batch, train_step
 from .timing import (
     NoisyMeasurementWarning,
     SpeedupTable,
@@ -40,6 +42,8 @@ from .timing import (
     cold_l2_benchmark,
     compare,
 )
+
+from . import distributed  # noqa: E402  (torchrun launch and worker helpers: utils.distributed)
 
 __version__ = "0.1.0"
 
@@ -60,6 +64,8 @@ __all__ = [
     # models and data
     "MLP", "SmallCNN", "GPTConfig", "TinyGPT", "count_parameters", "SyntheticImages",
     "SyntheticTokens", "CPUHeavyImages", "CUDAPrefetcher", "worker_init",
+    # training
+    "lm_batch", "image_batch", "train_step", "first_call_s",
     # plots
     "use_style", "speedup_bars", "memory_bars", "sweep_plot", "plain_log_ticks",
     # ledger
