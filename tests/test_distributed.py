@@ -44,6 +44,13 @@ def test_timeout_kills_every_rank(tmp_path):
     assert left.stdout.strip() == "", f"ranks left running: {left.stdout}"
 
 
+def test_relative_script_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    launch(WORKER.relative_to(REPO), nproc=1, args=["--out", tmp_path], timeout_s=120,
+           echo=False, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert read_rank_results(tmp_path, 1)[0]["sum"] == 1.0
+
+
 def test_bad_input():
     with pytest.raises(FileNotFoundError):
         launch("no_such_script.py")

@@ -116,6 +116,7 @@ def launch(script: str | os.PathLike, nproc: int = 2, args: Sequence[str] = (), 
     path = Path(script)
     if not path.is_file():
         raise FileNotFoundError(f"worker script {str(path)!r} does not exist")
+    path = path.resolve()  # the ranks run in the script's folder (cwd below)
     if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
         raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
     cmd = torchrun_command(path, nproc, args)
