@@ -233,6 +233,10 @@ def worker(backend: str | None = None, timeout_s: float = 120) -> Iterator[Worke
             picks NCCL when this node has a GPU for every local process, else gloo.
         timeout_s: how long a collective may wait for its peers before raising.
 
+    Free the objects that hold communication state (a DDP model, a
+    ``ZeroRedundancyOptimizer``) inside the ``with`` block: one that outlives
+    the destroyed process group can abort the process at exit with gloo.
+
     Raises:
         RuntimeError: not started by torchrun, an unknown backend, or NCCL asked
             for with fewer GPUs than processes on this node.
