@@ -163,7 +163,7 @@ def get_env(device: str | torch.device | None = None) -> EnvInfo:
         name = props.name
         cc: tuple[int, int] | None = (props.major, props.minor)
         mem: int | None = int(props.total_memory)
-        bf16 = bool(torch.cuda.is_bf16_supported())
+        bf16 = bool(torch.cuda.is_bf16_supported(including_emulation=False))
         tf32 = cc >= (8, 0)
     else:
         name = _cpu_name() if dev.type == "cpu" else "Apple GPU (MPS)"
@@ -287,7 +287,7 @@ def needs(
                 f"compute capability sm{min_capability[0]}{min_capability[1]}+ "
                 f"(this GPU is sm{cc[0]}{cc[1]})"
             )
-        if bf16 and not torch.cuda.is_bf16_supported():
+        if bf16 and not torch.cuda.is_bf16_supported(including_emulation=False):
             missing.append("bfloat16 support on the GPU")
         if flash_attention and not _flash_attention_supported(torch.device("cuda")):
             missing.append("FlashAttention (needs sm80+ and a build that has it)")
