@@ -12,7 +12,8 @@ def test_lm_batch_shapes_and_shift():
     cfg = utils.GPTConfig(vocab_size=50, block_size=16, n_layer=1, n_head=2, n_embd=16)
     x, y = utils.lm_batch(cfg, 3, device="cpu", seed=1)
     assert x.shape == y.shape == (3, 16) and x.dtype == torch.int64
-    assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the inputs shifted by one
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert x.is_contiguous() and y.is_contiguous()  # targets are the inputs shifted by one
     x2, _ = utils.lm_batch(cfg, 3, device="cpu", seed=1)
     assert torch.equal(x, x2)
     with pytest.raises(ValueError, match="seq_len"):
