@@ -19,6 +19,7 @@ Two halves:
 from __future__ import annotations
 
 import datetime as _dt
+import gc
 import json
 import os
 import re
@@ -265,6 +266,14 @@ def worker(backend: str | None = None, timeout_s: float = 120) -> Iterator[Worke
     dist.init_process_group(backend=backend, timeout=_dt.timedelta(seconds=timeout_s))
     try:
         yield WorkerInfo(rank, world, local_rank, local_world, backend, device)
+        # On success only (a barrier after a failure would wait for a dead peer):
+        # free what still holds communication state, and let every rank arrive
+        # before any tears down. Without this, gloo ranks occasionally abort at exit.
+        gc.collect()
+        if backend == "nccl":
+            dist.barrier(device_ids=[local_rank])
+        else:
+            dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -275,7 +284,7 @@ def write_rank_result(out_dir: str | os.PathLike, rank: int, data: dict[str, Any
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"rank{rank}.json"
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    tmp.write_text(json.dumps(data, indent=1))  # keeps the writer's key order
     tmp.replace(path)
     return path
 
