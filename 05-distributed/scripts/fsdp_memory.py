@@ -1,0 +1,317 @@
+"""DDP vs ZeRO-1 vs FSDP2 on the same TinyGPT: correctness, per-rank memory, communication.
+
+Started by ``05-distributed/02_fsdp2_and_zero.ipynb`` through ``utils.distributed.launch``
+(torchrun; gloo on CPU processes, NCCL with one GPU per process). Every rank:
+
+1. trains a single-process *reference* on the whole global batch (same seed, same data),
+2. for each configuration in ``--configs`` builds the same model, wraps it, trains
+   ``--steps`` steps on its slice of the global batch, and compares losses and parameter
+   updates with the reference,
+3. counts the bytes of the parameters, gradients and optimizer state this rank holds
+   (for a DTensor, its local shard), the unsharded parameter bytes still held when the
+   forward pass ends, the collectives of one step, and the step time,
+4. writes all of it to ``--out/rank<k>.json``.
+
+Configurations: ``ddp``, ``zero1`` (DDP + ZeroRedundancyOptimizer), ``fsdp2`` (fully_shard
+per block and at the root), ``fsdp2_keep`` (reshard_after_forward=False),
+``fsdp2_bf16`` (MixedPrecisionPolicy bf16 compute, fp32 reduce), ``fsdp2_offload``
+(CPUOffloadPolicy; needs CUDA ranks).
+
+Run by hand: ``torchrun --standalone --nproc-per-node=2 fsdp_memory.py --out /tmp/r``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+try:  # torch >= 2.6: FSDP2 is public API here
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    FSDP_IMPORT = "torch.distributed.fsdp"
+except ImportError:  # torch 2.4 / 2.5: the same API under its earlier, private path
+    from torch.distributed._composable.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy,
+                                                    fully_shard)
+    FSDP_IMPORT = "torch.distributed._composable.fsdp"
+
+import utils
+import utils.distributed as ud
+
+CONFIGS = ("ddp", "zero1", "fsdp2", "fsdp2_keep", "fsdp2_bf16", "fsdp2_offload")
+
+# Recent torch warns when an FSDP2 root returns a view (TinyGPT's logits are a view of the
+# head's matmul output): an in-place op on it would skip a backward hook. train_step does no
+# in-place op on the logits, so the warning does not apply here.
+warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+
+
+# --- FSDP2: shard every transformer block, then the root --------------------------------
+def apply_fsdp2(model, mesh, *, reshard_after_forward=True, mp_policy=None,
+                offload_policy=None):
+    """Shard ``model`` (a TinyGPT) in place with FSDP2 and return it.
+
+    Each block becomes one FSDP unit: its parameters are all-gathered together just
+    before the block runs and freed again after it (when ``reshard_after_forward``).
+    The root call takes what is left (embeddings, final norm, the tied head) and sets
+    up the whole model's hooks. Blocks first, root last: the order matters.
+    """
+    kwargs = {"mesh": mesh}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    if offload_policy is not None:
+        kwargs["offload_policy"] = offload_policy
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+    # The root keeps its default: it is not resharded after forward, because backward
+    # starts with it and would all-gather it again at once.
+    fully_shard(model, **kwargs)
+    return model
+
+
+# --- what one rank holds ----------------------------------------------------------------
+def local(t):
+    """The tensor this rank actually stores: a DTensor's local shard, else the tensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def state_bytes(model, optimizer, device=None):
+    """Bytes of parameters, gradients and optimizer state this rank holds.
+
+    ``utils.tensor_bytes`` counts each storage once (its full size, so FSDP2's padding
+    and DDP's gradient buckets count). With ``device``, only tensors on that device.
+    """
+    params = list(model.parameters())
+
+    def on(ts):
+        return [t for t in ts if t is not None and (device is None or t.device == device)]
+
+    opt = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    states = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    return {
+        "params": utils.tensor_bytes(on(local(p) for p in params)),
+        "grads": utils.tensor_bytes(on(local(p.grad) for p in params if p.grad is not None)),
+        "optimizer": utils.tensor_bytes(on(local(v) for v in states)),
+    }
+
+
+def unsharded_param_bytes(module):
+    """Bytes of parameters held in full (not as a DTensor shard) right now."""
+    return utils.tensor_bytes(p for p in module.parameters() if not isinstance(p, DTensor))
+
+
+def full_tensor(p, device):
+    """The whole parameter on ``device`` (a collective for DTensors: every rank calls it)."""
+    if not isinstance(p, DTensor):
+        return p.detach().to(device)
+    if p.to_local().device != device:  # a CPU-offloaded shard: move it to the mesh's device
+        p = DTensor.from_local(p.to_local().to(device), p.device_mesh, p.placements,
+                               shape=p.shape, stride=p.stride())
+    return p.full_tensor().detach()
+
+
+def comm_name(op):
+    name = str(op)
+    for key, short in (("allgather", "all_gather"), ("all_gather", "all_gather"),
+                       ("reduce_scatter", "reduce_scatter"), ("allreduce", "all_reduce"),
+                       ("all_reduce", "all_reduce"), ("broadcast", "broadcast")):
+        if key in name:
+            return short
+    return name
+
+
+# --- training -----------------------------------------------------------------------------
+def global_mean(loss, w):
+    t = loss.detach().float().reshape(1).to(w.device)
+    dist.all_reduce(t)  # SUM: gloo has no AVG
+    return t.item() / w.world_size
+
+
+def make_batches(cfg, args, w):
+    """The same global batches on every rank; rank k trains on rows [k*B, (k+1)*B)."""
+    return [utils.lm_batch(cfg, args.batch * w.world_size, args.seq, device="cpu",
+                           seed=args.seed + step) for step in range(args.steps)]
+
+
+def rank_slice(batch, w, args):
+    rows = slice(w.rank * args.batch, (w.rank + 1) * args.batch)
+    return batch[0][rows].to(w.device), batch[1][rows].to(w.device)
+
+
+def new_model(cfg, args, device):
+    torch.manual_seed(args.seed)  # the same initial weights on every rank and in every config
+    return utils.TinyGPT(cfg).to(device)
+
+
+def reference(cfg, args, w, batches):
+    """One process, the whole global batch: what every data-parallel run must reproduce."""
+    model = new_model(cfg, args, w.device)
+    init = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    losses = [utils.train_step(model, opt, x.to(w.device), y.to(w.device)).item()
+              for x, y in batches]
+    final = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "init": init, "final": final}
+
+
+def build(name, cfg, args, w, mesh):
+    model = new_model(cfg, args, w.device)
+    if name in ("ddp", "zero1"):
+        # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets instead of
+        # beside them, so DDP holds 4P bytes of gradients, not 4P + 4P of bucket copies.
+        wrapped = DDP(model, device_ids=[w.local_rank] if w.device.type == "cuda" else None,
+                      gradient_as_bucket_view=True)
+        if name == "ddp":
+            opt = torch.optim.Adam(wrapped.parameters(), lr=args.lr)
+        else:
+            opt = ZeroRedundancyOptimizer(wrapped.parameters(),
+                                          optimizer_class=torch.optim.Adam, lr=args.lr)
+        return wrapped, model, opt
+    if name == "fsdp2_offload" and w.device.type != "cuda":
+        raise RuntimeError("fsdp2_offload offloads from GPU memory to CPU memory: it needs "
+                           "CUDA ranks (NCCL); on CPU ranks the parameters are already there")
+    apply_fsdp2(
+        model, mesh,
+        reshard_after_forward=(name != "fsdp2_keep"),
+        mp_policy=(MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                   if name == "fsdp2_bf16" else None),
+        offload_policy=CPUOffloadPolicy() if name == "fsdp2_offload" else None,
+    )
+    # The optimizer is built AFTER sharding, over the DTensor shards: its state is sharded too.
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    return model, model, opt
+
+
+def run_config(name, cfg, args, w, mesh, batches, ref):
+    cuda = w.device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(w.device)
+    model, inner, opt = build(name, cfg, args, w, mesh)
+
+    # 1. Correctness: the same steps as the reference, on this rank's slice of each batch.
+    losses = [global_mean(utils.train_step(model, opt, *rank_slice(b, w, args)), w)
+              for b in batches]
+    diff2 = upd2 = 0.0
+    max_abs = 0.0
+    for n, p in inner.named_parameters():
+        full = full_tensor(p, w.device).float().cpu()
+        max_abs = max(max_abs, (full - ref["final"][n]).abs().max().item())
+        diff2 += (full - ref["final"][n]).pow(2).sum().item()
+        upd2 += (ref["final"][n] - ref["init"][n]).pow(2).sum().item()
+
+    # 2. Memory at rest (after an optimizer step, gradients still allocated).
+    held = state_bytes(inner, opt)
+    on_device = state_bytes(inner, opt, device=w.device) if cuda else held
+
+    # 3. One step under CommDebugMode, with a hook that looks at the parameters when the
+    #    forward pass has ended (registered after FSDP's hooks, so it runs after them).
+    seen = {}
+
+    def after_forward(module, inputs, output):  # returns None: the output is left alone
+        seen.setdefault("bytes", unsharded_param_bytes(module))
+
+    hook = inner.register_forward_hook(after_forward)
+    comm = CommDebugMode()
+    with comm:
+        utils.train_step(model, opt, *rank_slice(batches[0], w, args))
+    hook.remove()
+    counts = {}
+    for op, n in comm.get_comm_counts().items():
+        counts[comm_name(op)] = counts.get(comm_name(op), 0) + n
+
+    # 4. Step time: a fixed number of steps on every rank. (utils.benchmark picks its
+    #    repeat count from its own timings, which differ between ranks: the ranks would
+    #    then run different numbers of collectives and hang.)
+    x, y = rank_slice(batches[0], w, args)
+    times = []
+    for _ in range(args.time_steps):
+        utils.synchronize(w.device)
+        t0 = time.perf_counter()
+        utils.train_step(model, opt, x, y)
+        utils.synchronize(w.device)
+        times.append((time.perf_counter() - t0) * 1e3)
+
+    result = {
+        "losses": losses,
+        "param_max_abs_diff": max_abs,
+        "update_rel_err": (diff2 / upd2) ** 0.5 if upd2 > 0 else float("nan"),
+        "bytes": held,
+        "device_bytes": on_device,
+        "unsharded_after_forward_bytes": seen.get("bytes"),
+        "comm_counts": counts,
+        "step_ms": statistics.median(times),
+        "step_ms_all": times,
+        "cuda_peak_bytes": torch.cuda.max_memory_allocated(w.device) if cuda else None,
+    }
+    del model, inner, opt  # free before the next configuration (and before the group ends)
+    gc.collect()
+    return result
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="folder for rank<k>.json")
+    p.add_argument("--configs", default="ddp,zero1,fsdp2",
+                   help=f"comma-separated, from {', '.join(CONFIGS)}")
+    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    p.add_argument("--steps", type=int, default=3, help="steps compared with the reference")
+    p.add_argument("--time-steps", type=int, default=3, help="timed steps per configuration")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=300)
+    args = p.parse_args()
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = sorted(set(configs) - set(CONFIGS))
+    if unknown:
+        raise SystemExit(f"unknown configuration(s) {unknown}: use {', '.join(CONFIGS)}")
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32: the comparison is exact-ish
+    cfg = utils.GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer,
+                          n_head=args.n_head, n_embd=args.n_embd)
+    backend = None if args.backend == "auto" else args.backend
+    with ud.worker(backend=backend, timeout_s=args.timeout_s) as w:
+        # An explicit 1-D mesh on the ranks' own device type: without it, fully_shard picks
+        # the machine's accelerator, which is wrong for gloo ranks on a machine with a GPU.
+        mesh = init_device_mesh(w.device.type, (w.world_size,))
+        batches = make_batches(cfg, args, w)
+        ref = reference(cfg, args, w, batches)
+        with torch.device("meta"):  # sizes only
+            probe = utils.TinyGPT(cfg)
+        out = {
+            "rank": w.rank, "world_size": w.world_size, "backend": w.backend,
+            "device": str(w.device), "torch": torch.__version__, "fsdp_import": FSDP_IMPORT,
+            "n_params": utils.count_parameters(probe),
+            "n_param_tensors": len(list(probe.parameters())),
+            "cuda_name": torch.cuda.get_device_name(w.device) if w.device.type == "cuda" else None,
+            "reference_losses": ref["losses"],
+            "configs": {},
+        }
+        for name in configs:
+            out["configs"][name] = run_config(name, cfg, args, w, mesh, batches, ref)
+            if w.is_main:
+                r = out["configs"][name]
+                print(f"[rank 0] {name:<14} loss {r['losses'][-1]:.4f} "
+                      f"(reference {ref['losses'][-1]:.4f})  state "
+                      f"{sum(r['bytes'].values()) / 2**20:.2f} MiB  step {r['step_ms']:.1f} ms",
+                      flush=True)
+        ud.write_rank_result(args.out, w.rank, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,370 @@
+"""Tensor parallelism with DTensor on TinyGPT: the worker of 05-distributed/03_tensor_parallel.
+
+Start it with torchrun; the notebook does, through ``utils.distributed.launch``::
+
+    torchrun --standalone --nproc-per-node=2 tp.py --out OUT --mode tp
+    torchrun --standalone --nproc-per-node=4 tp.py --out OUT --mode 2d --tp 2
+
+``--mode tp``: DeviceMesh and DTensor basics, then TinyGPT with ColwiseParallel /
+RowwiseParallel, checked against the same model on one device (logits, gradients, and the
+losses of a few AdamW steps); the collectives of one forward and one backward
+(CommDebugMode); the parameter bytes each rank holds; the step time of both at a few widths.
+
+``--mode 2d``: a 2-D ("dp", "tp") mesh: tensor parallelism inside each "tp" group, FSDP2
+(``fully_shard``) across "dp"; gradients and losses checked against one device.
+
+Every rank writes what it measured to ``OUT/rank<k>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import time
+import types
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                               parallelize_module)
+
+import utils
+import utils.distributed as ud
+
+# Which Linear of a TinyGPT block gets which style. Each Colwise -> Rowwise pair needs one
+# all-reduce in the forward pass (after the Rowwise layer) and one in the backward pass
+# (the gradient of the Colwise layer's replicated input).
+TP_PLAN = {
+    "attn.qkv": ColwiseParallel(),   # output features split: each rank computes its heads' q, k, v
+    "attn.proj": RowwiseParallel(),  # input features split: partial sums, all-reduced
+    "mlp.0": ColwiseParallel(),      # the 4x-wide hidden layer split by columns
+    "mlp.2": RowwiseParallel(),      # back to n_embd: partial sums, all-reduced
+}
+TP_LAYERS = tuple(TP_PLAN)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="folder for rank<k>.json")
+    p.add_argument("--mode", choices=("tp", "2d"), default="tp")
+    p.add_argument("--tp", type=int, default=2, help="2d mode: size of the 'tp' mesh dimension")
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=64)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--batch", type=int, default=4, help="global batch (split over 'dp' in 2d)")
+    p.add_argument("--steps", type=int, default=3, help="AdamW steps compared with one device")
+    p.add_argument("--time-steps", type=int, default=5, help="timed steps per model (0: none)")
+    p.add_argument("--time-widths", default="",
+                   help="comma-separated n_embd values to time (default: --n-embd)")
+    p.add_argument("--timeout", type=float, default=120, help="collective timeout, seconds")
+    return p.parse_args()
+
+
+# ----------------------------------------------------------------------------- DTensor basics
+def comm_counts(mode: CommDebugMode) -> dict[str, int]:
+    """CommDebugMode's counts, keyed by the collective's short name (e.g. 'all_reduce')."""
+    return {getattr(op, "__name__", str(op)).split(".")[-1]: n
+            for op, n in mode.get_comm_counts().items()}
+
+
+def dtensor_demo(mesh, device) -> dict:
+    """Place one 8 x 8 matrix three ways; then a sharded matmul that ends Partial."""
+    full = torch.arange(64, dtype=torch.float32, device=device).reshape(8, 8)
+    report = {}
+    for name, placement in (("Shard(0)", Shard(0)), ("Shard(1)", Shard(1)),
+                            ("Replicate()", Replicate())):
+        d = distribute_tensor(full, mesh, [placement])   # rank 0's copy is scattered/broadcast
+        local = d.to_local()                              # the plain tensor this rank stores
+        assert torch.equal(d.full_tensor(), full)         # full_tensor() all-gathers it back
+        report[name] = {"global_shape": list(d.shape), "local_shape": list(local.shape),
+                        "local_first_row": local[0].tolist()}
+
+    # x split by columns, w split by rows: each rank multiplies its slices -> a partial sum.
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0)).to(device)
+    w = torch.randn(8, 6, generator=torch.Generator().manual_seed(1)).to(device)
+    xd, wd = distribute_tensor(x, mesh, [Shard(1)]), distribute_tensor(w, mesh, [Shard(0)])
+    with CommDebugMode() as matmul_comm:
+        yd = xd @ wd                                      # no communication: the result is Partial
+    with CommDebugMode() as reduce_comm:
+        y = yd.redistribute(mesh, [Replicate()])          # Partial -> Replicate = all-reduce
+    torch.testing.assert_close(y.to_local(), x @ w)
+    rows = distribute_tensor(full, mesh, [Shard(0)])
+    with CommDebugMode() as gather_comm:
+        rows.redistribute(mesh, [Replicate()])           # Shard -> Replicate = all-gather
+    report["matmul"] = {"placement": str(yd.placements[0]), "comm": comm_counts(matmul_comm),
+                        "local_y00": yd.to_local()[0, 0].item(), "full_y00": (x @ w)[0, 0].item(),
+                        "partial_to_replicate_comm": comm_counts(reduce_comm),
+                        "shard_to_replicate_comm": comm_counts(gather_comm)}
+    return report
+
+
+# ------------------------------------------------------------------ tensor-parallel TinyGPT
+def head_major_qkv(attn, tp: int) -> None:
+    """Reorder qkv's output rows from [q | k | v] to [q0 k0 v0 | q1 k1 v1 | ...].
+
+    ColwiseParallel gives rank r the r-th contiguous block of rows. With the fused
+    [q | k | v] layout, rank 0 of 2 would get all of q and half of k. After this
+    reordering, rank r's block holds q, k and v of the same n_head / tp heads.
+    """
+    c = attn.proj.in_features
+    with torch.no_grad():
+        for p in (attn.qkv.weight, attn.qkv.bias):
+            p.copy_(p.view(3, tp, c // tp, -1).transpose(0, 1).reshape(p.shape))
+
+
+def qkv_to_standard(t: torch.Tensor, tp: int) -> torch.Tensor:
+    """Undo head_major_qkv on a full (un-sharded) qkv weight, bias or gradient."""
+    c = t.shape[0] // 3
+    return t.reshape(tp, 3, c // tp, -1).transpose(0, 1).reshape(t.shape)
+
+
+def tp_attention_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """utils' CausalSelfAttention.forward, with this rank's widths instead of the full ones.
+
+    The original reads the width c from x, which is replicated (full n_embd), and splits
+    the qkv output into chunks of c. Under TP the qkv output is this rank's 3 * c / tp
+    columns, so the split and the head view must use the local width, and n_head must be
+    this rank's head count (apply_tp divides it by tp).
+    """
+    b, t, _ = x.shape
+    qkv = self.qkv(x)                      # (b, t, 3 * c_local): q, k, v of this rank's heads
+    c_local = qkv.shape[-1] // 3
+    q, k, v = (z.view(b, t, self.n_head, c_local // self.n_head).transpose(1, 2)
+               for z in qkv.split(c_local, dim=2))
+    y = F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+    return self.proj(y.transpose(1, 2).reshape(b, t, c_local))  # Rowwise: all-reduce inside
+
+
+def apply_tp(model, tp_mesh):
+    """Shard every block's attention and MLP over tp_mesh (in place); returns the model."""
+    tp = tp_mesh.size()
+    for blk in model.blocks:
+        if blk.attn.n_head % tp:
+            raise ValueError(f"n_head={blk.attn.n_head} is not divisible by the TP size {tp}")
+        head_major_qkv(blk.attn, tp)
+        parallelize_module(blk, tp_mesh, TP_PLAN)
+        blk.attn.n_head //= tp                             # this rank's heads
+        blk.attn.forward = types.MethodType(tp_attention_forward, blk.attn)
+    return model
+
+
+# ------------------------------------------------------------------------------- helpers
+# fp32 tolerances. The sharded model adds its partial sums in another order than one device
+# does, so results differ by rounding: relative 1e-4, plus an absolute 1e-5 of the largest
+# entry so that entries near zero are not held to a relative bound they cannot meet.
+RTOL, ATOL_OF_MAX = 1e-4, 1e-5
+
+
+def check_close(got: torch.Tensor, want: torch.Tensor, what: str) -> float:
+    """Assert got == want within the fp32 tolerances; return max|got - want| / max|want|."""
+    scale = want.abs().max().item() or 1.0
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL_OF_MAX * scale, msg=what)
+    return (got - want).abs().max().item() / scale
+
+
+def full_tensors(model, tp: int, grads: bool) -> dict[str, torch.Tensor]:
+    """name -> the full (un-sharded) parameter or gradient, in the single-device layout.
+
+    Collective (full_tensor all-gathers the shards): every rank must call it.
+    """
+    out = {}
+    for name, p in model.named_parameters():
+        t = (p.grad if grads else p).detach()
+        t = t.full_tensor() if isinstance(t, DTensor) else t
+        out[name] = qkv_to_standard(t, tp) if ".attn.qkv." in name else t
+    return out
+
+
+def check_grads(model, ref, tp: int) -> dict:
+    """Every gradient of model (gathered) against ref's: worst relative and absolute error."""
+    got = full_tensors(model, tp, grads=True)
+    rel = {n: check_close(got[n], p.grad, f"gradient of {n}") for n, p in ref.named_parameters()}
+    worst = max(rel, key=rel.get)
+    abs_err = max((got[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())
+    return {"grad_max_rel_err": rel[worst], "grad_worst_param": worst,
+            "grad_max_abs_err": abs_err}
+
+
+def param_max_abs_err(model, ref, tp: int) -> float:
+    got = full_tensors(model, tp, grads=False)
+    return max((got[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+
+
+def local_bytes(p: torch.Tensor) -> int:
+    t = p.to_local() if isinstance(p, DTensor) else p
+    return t.numel() * t.element_size()
+
+
+def param_bytes(model) -> dict[str, int]:
+    """Bytes this rank stores: all parameters, and those of the TP-sharded layers."""
+    total = sharded = 0
+    for name, p in model.named_parameters():      # a tied weight is listed once
+        n = local_bytes(p)
+        total += n
+        if any(f".{layer}." in name for layer in TP_LAYERS):
+            sharded += n
+    return {"all": total, "tp_layers": sharded}
+
+
+def time_steps(step, n: int, device) -> list[float]:
+    """Seconds of n calls of step(), all ranks starting each call together.
+
+    A fixed count, not utils.benchmark: its adaptive repeat count could differ between
+    ranks, and a rank that runs one more collective than its peers waits forever.
+    """
+    times = []
+    for _ in range(n):
+        dist.barrier()
+        utils.synchronize(device)
+        t0 = time.perf_counter()
+        step()
+        utils.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def time_width(a, w, mesh, n_embd: int) -> dict:
+    """Seconds per training step of TinyGPT at this width: one device, and TP over mesh."""
+    cfg = utils.GPTConfig(vocab_size=a.vocab, block_size=a.seq, n_layer=a.n_layer,
+                          n_head=a.n_head, n_embd=n_embd)
+    torch.manual_seed(0)
+    ref = utils.TinyGPT(cfg).to(w.device)
+    model = apply_tp(copy.deepcopy(ref), mesh)
+    x, y = utils.lm_batch(cfg, a.batch, a.seq, device=w.device, seed=1)
+    check_close(model(x), ref(x), f"logits at n_embd={n_embd}")   # correct before timed
+    out = {}
+    for name, m in (("ref", ref), ("tp", model)):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        time_steps(lambda: utils.train_step(m, opt, x, y), 2, w.device)      # warm-up
+        out[name] = time_steps(lambda: utils.train_step(m, opt, x, y), a.time_steps, w.device)
+    return out
+
+
+# --------------------------------------------------------------------------------- modes
+def run_tp(a, w) -> dict:
+    mesh = init_device_mesh(w.device.type, (w.world_size,))
+    tp = mesh.size()
+    res = {"dtensor": dtensor_demo(mesh, w.device)}
+
+    cfg = utils.GPTConfig(vocab_size=a.vocab, block_size=a.seq, n_layer=a.n_layer,
+                          n_head=a.n_head, n_embd=a.n_embd)
+    torch.manual_seed(0)
+    ref = utils.TinyGPT(cfg).to(w.device)            # the same model on one device
+    model = apply_tp(copy.deepcopy(ref), mesh)       # same weights, sharded over the mesh
+    x, y = utils.lm_batch(cfg, a.batch, a.seq, device=w.device, seed=1)  # same batch on all
+
+    # 1. forward: the logits (replicated on every rank) against the single-device logits
+    with CommDebugMode() as fwd_comm:
+        logits = model(x)
+    logits_ref = ref(x)
+    res["logits_max_rel_err"] = check_close(logits, logits_ref, "logits")
+    res["logits_max_abs_err"] = (logits - logits_ref).abs().max().item()
+
+    # 2. backward: every gradient, gathered to full size, against the single-device one
+    with CommDebugMode() as bwd_comm:
+        F.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+    F.cross_entropy(logits_ref.flatten(0, 1), y.flatten()).backward()
+    res.update(check_grads(model, ref, tp))
+    res["comm_forward"], res["comm_backward"] = comm_counts(fwd_comm), comm_counts(bwd_comm)
+    res["allreduce_payload_bytes"] = a.batch * a.seq * a.n_embd * logits.element_size()
+    with CommDebugMode() as both:                    # again, to see which layer communicates
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    res["comm_table"] = both.generate_comm_debug_tracing_table(noise_level=0)
+
+    # 3. a few AdamW steps with the shared train_step: the losses must stay equal
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    losses, losses_ref = [], []
+    for _ in range(a.steps):
+        losses.append(utils.train_step(model, opt, x, y).item())
+        losses_ref.append(utils.train_step(ref, opt_ref, x, y).item())
+    res["loss_max_rel_err"] = check_close(torch.tensor(losses), torch.tensor(losses_ref), "losses")
+    res["losses"], res["losses_ref"] = losses, losses_ref
+    res["param_max_abs_err_after_steps"] = param_max_abs_err(model, ref, tp)
+
+    # 4. what each rank stores
+    res["bytes_tp"], res["bytes_ref"] = param_bytes(model), param_bytes(ref)
+    res["local_shapes"] = {n: list(p.to_local().shape) if isinstance(p, DTensor) else
+                           list(p.shape) for n, p in model.named_parameters()
+                           if n.startswith("blocks.0.")}
+
+    # 5. step time, TP over the mesh vs one device alone, for a few model widths
+    widths = [int(v) for v in a.time_widths.split(",") if v] or [a.n_embd]
+    res["timing"] = {w_: time_width(a, w, mesh, w_) for w_ in widths} if a.time_steps else {}
+    return res
+
+
+def run_2d(a, w) -> dict:
+    if w.world_size % a.tp:
+        raise ValueError(f"world size {w.world_size} is not divisible by --tp {a.tp}")
+    dp = w.world_size // a.tp
+    if a.batch % dp:
+        raise ValueError(f"--batch {a.batch} is not divisible by the dp size {dp}")
+    mesh = init_device_mesh(w.device.type, (dp, a.tp), mesh_dim_names=("dp", "tp"))
+
+    cfg = utils.GPTConfig(vocab_size=a.vocab, block_size=a.seq, n_layer=a.n_layer,
+                          n_head=a.n_head, n_embd=a.n_embd)
+    torch.manual_seed(0)
+    ref = utils.TinyGPT(cfg).to(w.device)
+    model = apply_tp(copy.deepcopy(ref), mesh["tp"])   # TP inside each "tp" group...
+    for blk in model.blocks:
+        fully_shard(blk, mesh=mesh["dp"])              # ...then FSDP2 across "dp"
+    fully_shard(model, mesh=mesh["dp"])
+
+    x, y = utils.lm_batch(cfg, a.batch, a.seq, device=w.device, seed=1)
+    dp_rank = mesh.get_local_rank("dp")
+    xl, yl = x.chunk(dp)[dp_rank], y.chunk(dp)[dp_rank]  # this dp rank's share of the batch
+
+    # Gathering a parameter that is sharded twice on dim 0 (FSDP over TP) takes two
+    # all-gathers, and torch logs a warning that this is slow: irrelevant for a one-off check.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    # FSDP2 warns when a wrapped module returns a view (TinyGPT's logits are one); that only
+    # matters for in-place ops on the output, which train_step does not do.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    losses, losses_ref, res = [], [], {}
+    for step in range(a.steps):
+        with CommDebugMode() as comm:
+            loss = utils.train_step(model, opt, xl, yl)    # half the batch per dp rank
+        dist.all_reduce(loss, group=mesh.get_group("dp"))  # mean over the dp shares
+        losses.append(loss.item() / dp)
+        losses_ref.append(utils.train_step(ref, opt_ref, x, y).item())  # the whole batch
+        if step == 0:   # FSDP2 averaged the gradients over "dp": they must equal one device's
+            res.update(check_grads(model, ref, a.tp))
+            res["comm_step"] = comm_counts(comm)
+    res["loss_max_rel_err"] = check_close(torch.tensor(losses), torch.tensor(losses_ref), "losses")
+    res["param_max_abs_err_after_steps"] = param_max_abs_err(model, ref, a.tp)
+    res["placements"] = {n: [str(pl) for pl in p.placements] for n, p in model.named_parameters()
+                         if n.startswith("blocks.0.") or n == "tok_emb.weight"}
+    res.update(mesh={"dp": dp, "tp": a.tp, "dp_rank": dp_rank,
+                     "tp_rank": mesh.get_local_rank("tp")},
+               losses=losses, losses_ref=losses_ref,
+               bytes_2d=param_bytes(model), bytes_ref=param_bytes(ref))
+    return res
+
+
+def main() -> None:
+    a = parse_args()
+    with ud.worker(timeout_s=a.timeout) as w:
+        res = run_tp(a, w) if a.mode == "tp" else run_2d(a, w)
+        res.update(rank=w.rank, world_size=w.world_size, backend=w.backend,
+                   device=str(w.device), torch=torch.__version__)
+        ud.write_rank_result(a.out, w.rank, res)
+        if w.is_main:
+            print(f"[rank 0] mode={a.mode} world={w.world_size} backend={w.backend} "
+                  f"device={w.device}: checks passed")
+
+
+if __name__ == "__main__":
+    main()
