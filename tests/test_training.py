@@ -13,7 +13,9 @@ def test_lm_batch_shapes_and_shift():
     x, y = utils.lm_batch(cfg, 3, device="cpu", seed=1)
     assert x.shape == y.shape == (3, 16) and x.dtype == torch.int64
     assert torch.equal(x[:, 1:], y[:, :-1])
-    assert x.is_contiguous() and y.is_contiguous()  # targets are the inputs shifted by one
+    assert x.is_contiguous() and y.is_contiguous()
+    one, _ = utils.lm_batch(cfg, 1, device="cpu")
+    assert one.stride() == (16, 1)  # row-major even for a batch of 1  # targets are the inputs shifted by one
     x2, _ = utils.lm_batch(cfg, 3, device="cpu", seed=1)
     assert torch.equal(x, x2)
     with pytest.raises(ValueError, match="seq_len"):

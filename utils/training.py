@@ -48,10 +48,12 @@ def lm_batch(cfg: GPTConfig, batch_size: int, seq_len: int | None = None,
         raise ValueError(f"seq_len must be an int in [1, {cfg.block_size}], got {seq_len!r}")
     tokens = torch.randint(cfg.vocab_size, (batch_size, seq_len + 1), generator=_generator(seed))
     dev = pick_device(device)
-    # contiguous: slices of one buffer would have stride (T+1, 1) on the CPU but
-    # not after a copy to a GPU, and code compiled for one stride (AOTInductor)
-    # must see the same layout on every device.
-    return tokens[:, :-1].contiguous().to(dev), tokens[:, 1:].contiguous().to(dev)
+    # Fresh row-major copies: slices of one buffer would keep stride (T+1, 1) on
+    # the CPU (even a batch of 1, which .contiguous() leaves alone) but not after a
+    # copy to a GPU, and compiled code guards on strides.
+    fresh = torch.contiguous_format
+    return (tokens[:, :-1].clone(memory_format=fresh).to(dev),
+            tokens[:, 1:].clone(memory_format=fresh).to(dev))
 
 
 def image_batch(batch_size: int, image_size: int = 32, channels: int = 3, num_classes: int = 10,
