@@ -1,0 +1,212 @@
+"""Measure how long ``torch.compile`` takes, in a fresh Python process.
+
+Notebook ``04_regional_compilation_and_caching`` runs this script with
+``subprocess`` so that every compile-time measurement starts from nothing: no
+module imported yet, no compiled code in memory, and an inductor cache
+directory chosen by the caller (empty for a *cold* compile, reused for a
+*warm* one). A measurement taken inside a long-lived notebook process would be
+flattered by whatever an earlier cell already compiled or imported.
+
+What one run does:
+
+1. points ``TORCHINDUCTOR_CACHE_DIR`` (and ``TRITON_CACHE_DIR`` inside it) at
+   ``--cache-dir`` *before* importing torch;
+2. builds ``utils.TinyGPT`` with the given sizes and runs one **eager** step
+   (this pays for CUDA context creation, cuBLAS handles and the optimizer
+   state, which are not compilation); a step is a training step
+   (``utils.train_step``) or, with ``--workload infer``, a forward pass;
+3. compiles the model, either whole (``torch.compile(model)``) or by region
+   (``block.compile()`` for every transformer block);
+4. times the first compiled step with ``utils.first_call_s``: that call
+   traces, compiles (forward, and backward for a training step) and runs once;
+5. writes a JSON result (times, dynamo/inductor cache counters, the cache
+   directory's size) to ``--out`` and prints it as the last line of stdout.
+
+Example::
+
+    python compile_probe.py --mode regional --cache-dir /tmp/cc --n-layer 8 --out r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+_T0 = time.perf_counter()  # as early as possible: the import time is part of the story
+
+MODES = ("whole", "regional", "eager")
+WORKLOADS = ("train", "infer")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mode", choices=MODES, required=True,
+                   help="whole: torch.compile(model); regional: block.compile() per block")
+    p.add_argument("--cache-dir", required=True, help="TORCHINDUCTOR_CACHE_DIR for this process")
+    p.add_argument("--n-layer", type=int, default=8)
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--vocab-size", type=int, default=512)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--workload", choices=WORKLOADS, default="train",
+                   help="train: utils.train_step (forward, backward, AdamW); infer: forward under no_grad")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: best available)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads for this process (CPU kernels specialise on it, "
+                        "and it is part of the cache key)")
+    p.add_argument("--save-artifacts", default=None,
+                   help="after compiling, write torch.compiler.save_cache_artifacts() here")
+    p.add_argument("--load-artifacts", default=None,
+                   help="before compiling, feed this file to torch.compiler.load_cache_artifacts()")
+    p.add_argument("--out", default=None, help="also write the JSON result to this file")
+    p.add_argument("--deadline-s", type=int, default=None,
+                   help="fail (cleanly, compile workers shut down) after this many seconds")
+    args = p.parse_args(argv)
+    for name in ("n_layer", "n_embd", "n_head", "block_size", "vocab_size", "batch", "threads",
+                 "deadline_s"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def compile_model(model, mode: str):
+    """Return the callable to train: the whole model compiled, or its blocks compiled in place.
+
+    ``block.compile()`` (``nn.Module.compile``) compiles a module in place: the
+    module stays where it is in ``model.blocks`` and its ``state_dict`` keys do
+    not change, unlike ``torch.compile(block)``, which returns a wrapper.
+    """
+    import torch
+
+    if mode == "whole":
+        return torch.compile(model)
+    if mode == "regional":
+        for block in model.blocks:
+            block.compile()
+        return model
+    return model  # eager: the reference
+
+
+def make_step(model, opt, x, y, workload: str):
+    """The function whose first call is timed: one training step, or one forward pass."""
+    import torch
+
+    import utils
+
+    if workload == "train":
+        return lambda: utils.train_step(model, opt, x, y)
+
+    def infer():
+        with torch.no_grad():
+            return model(x)
+    return infer
+
+
+def dir_bytes(path: Path) -> tuple[int, int]:
+    """Total size in bytes and number of files under ``path``."""
+    total = files = 0
+    for root, _, names in os.walk(path):
+        for n in names:
+            try:
+                total += os.path.getsize(os.path.join(root, n))
+                files += 1
+            except OSError:  # a lock or temp file that vanished meanwhile
+                pass
+    return total, files
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.deadline_s and hasattr(signal, "SIGALRM"):
+        def expired(signum, frame):
+            raise TimeoutError(f"compile probe passed its deadline of {args.deadline_s} s")
+        signal.signal(signal.SIGALRM, expired)
+        signal.alarm(args.deadline_s)
+    cache = Path(args.cache_dir).expanduser().resolve()
+    cache.mkdir(parents=True, exist_ok=True)
+    # Set before torch is imported, so this process and its compile workers see it.
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+    os.environ["TRITON_CACHE_DIR"] = str(cache / "triton")
+    files_before = dir_bytes(cache)[1]
+
+    import torch
+    from torch._dynamo.utils import counters
+
+    import utils
+
+    import_s = time.perf_counter() - _T0
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = utils.pick_device(args.device)
+    cfg = utils.GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size,
+                          n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    torch.manual_seed(0)
+    model = utils.TinyGPT(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = utils.lm_batch(cfg, args.batch, device=device)
+
+    # One eager step first, so the compiled first call is charged only for compiling.
+    eager_first_s = utils.first_call_s(make_step(model, opt, x, y, args.workload), device=device)
+
+    loaded = None
+    if args.load_artifacts:
+        info = torch.compiler.load_cache_artifacts(Path(args.load_artifacts).read_bytes())
+        if info is not None:  # CacheInfo: which caches received how many entries
+            kinds = getattr(info, "artifacts", None)
+            loaded = ({k: len(v) for k, v in kinds.items()} if isinstance(kinds, dict)
+                      else str(info))
+
+    step = make_step(compile_model(model, args.mode), opt, x, y, args.workload)
+    first_s = utils.first_call_s(step, device=device)
+    second_s = utils.first_call_s(step, device=device)
+
+    saved_bytes = None
+    if args.save_artifacts:
+        art = torch.compiler.save_cache_artifacts()
+        if art is not None:
+            Path(args.save_artifacts).write_bytes(art[0])
+            saved_bytes = len(art[0])
+
+    size, files = dir_bytes(cache)
+    result = {
+        "mode": args.mode,
+        "device": str(device),
+        "torch": torch.__version__,
+        "n_layer": args.n_layer,
+        "n_embd": args.n_embd,
+        "threads": torch.get_num_threads(),
+        "cache_dir": str(cache),
+        "cache_files_before": files_before,
+        "import_s": import_s,
+        "eager_first_step_s": eager_first_s,
+        "first_compiled_step_s": first_s,
+        "second_compiled_step_s": second_s,
+        "workload": args.workload,
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "ops_captured": int(counters["stats"]["calls_captured"]),
+        "fxgraph_cache_hit": int(counters["inductor"]["fxgraph_cache_hit"]),
+        "fxgraph_cache_miss": int(counters["inductor"]["fxgraph_cache_miss"]),
+        "autograd_cache_hit": int(counters["aot_autograd"]["autograd_cache_hit"]),
+        "autograd_cache_miss": int(counters["aot_autograd"]["autograd_cache_miss"]),
+        "cache_bytes": size,
+        "cache_files": files,
+        "artifacts_saved_bytes": saved_bytes,
+        "artifacts_loaded": loaded,
+        "script_s": time.perf_counter() - _T0,
+    }
+    text = json.dumps(result)
+    if args.out:
+        Path(args.out).write_text(text, encoding="utf-8")
+    print(text, flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)
