@@ -81,3 +81,15 @@ def test_bad_input(env):
         utils.Ledger("", smoke=True, env=env)
     with pytest.raises(FileNotFoundError):
         utils.Ledger.load("/nonexistent/ledger.json")
+
+
+def test_expectation_not_measured_here(tmp_path):
+    led = utils.Ledger("m/nb", smoke=False, env={}, strict=True, autosave=False)
+    e = led.expect("fp16_loss", None, at_most=0.05, applies=False, reason="fp16 runs on CUDA only")
+    assert e.status == "not applicable" and "not measured" in e.line()
+    assert "fp16_loss" not in led.measurements
+    led.finish()  # not applicable never fails, even strict
+    with pytest.raises(ValueError, match="no value"):
+        led.expect("x", None, at_least=1.0)
+    with pytest.raises(ValueError, match="no value"):
+        led.expect("x", None, at_least=1.0, applies=False)

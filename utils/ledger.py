@@ -61,7 +61,7 @@ class Expectation:
 
     name: str
     description: str
-    value: float
+    value: float | None  # None: not measured here (then the status is "not applicable")
     op: str
     threshold: float
     status: str
@@ -69,7 +69,8 @@ class Expectation:
 
     def line(self) -> str:
         mark = {MET: "MET", NOT_MET: "NOT MET", NOT_APPLICABLE: "n/a"}[self.status]
-        text = f"[{mark:^7}] {self.description}: measured {self.value:.3g} (expected {self.op} {self.threshold:g})"
+        got = "not measured" if self.value is None else f"measured {self.value:.3g}"
+        text = f"[{mark:^7}] {self.description}: {got} (expected {self.op} {self.threshold:g})"
         return text + (f" - {self.reason}" if self.reason else "")
 
 
@@ -132,7 +133,7 @@ class Ledger:
         self.measurements[name] = m
         return m
 
-    def expect(self, name: str, value: float, *, at_least: float | None = None,
+    def expect(self, name: str, value: float | None, *, at_least: float | None = None,
                at_most: float | None = None, applies: bool = True, reason: str = "",
                description: str | None = None, in_smoke: bool = False,
                unit: str = "") -> Expectation:
@@ -140,7 +141,9 @@ class Ledger:
 
         Args:
             name: a key, e.g. ``"bf16_speedup"``.
-            value: the measured value (also recorded as a measurement).
+            value: the measured value (also recorded as a measurement), or
+                ``None`` where it cannot be measured on this machine; then
+                ``applies`` must be ``False`` and ``reason`` says why.
             at_least / at_most: the threshold (exactly one of them).
             applies: ``False`` when this hardware is not what the expectation
                 is about; give the ``reason`` (e.g. "needs CUDA sm80+").
@@ -152,7 +155,12 @@ class Ledger:
         if (at_least is None) == (at_most is None):
             raise ValueError("give exactly one of at_least= or at_most=")
         op, threshold = (">=", at_least) if at_least is not None else ("<=", at_most)
-        value = self._measurement(name, value, unit, "").value
+        if value is None:
+            if applies or not reason:
+                raise ValueError(f"expectation {name!r} has no value: that is only allowed with "
+                                 "applies=False and a reason saying why it was not measured")
+        else:
+            value = self._measurement(name, value, unit, "").value
         if not applies:
             status = NOT_APPLICABLE
         elif self.smoke and not in_smoke:
@@ -222,7 +230,8 @@ class Ledger:
         if self.expectations:
             lines += ["", "| expectation | measured | expected | status |", "|---|---:|---|---|"]
             lines += [
-                f"| {e.description} | {e.value:.3g} | {e.op} {e.threshold:g} | {e.status}"
+                f"| {e.description} | {'-' if e.value is None else format(e.value, '.3g')} "
+                f"| {e.op} {e.threshold:g} | {e.status}"
                 + (f" ({e.reason})" if e.reason else "") + " |"
                 for e in self.expectations.values()
             ]

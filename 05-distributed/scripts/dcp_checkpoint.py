@@ -97,11 +97,8 @@ def save_the_old_way(model, optimizer, path, rank):
 
 
 # --- helpers --------------------------------------------------------------------------------
-def written_bytes(state):
-    """Bytes of the tensors in this rank's state dict, entry by entry (a tied weight counts
-    under each of its names, as DCP writes it): DTensors as the local shard, and the
-    plain (replicated) tensors such as Adam's ``step`` counters separately."""
-    shards = plain = 0
+def iter_tensors(state):
+    """Every tensor in a nested state dict (dicts, lists and tuples)."""
     stack = [state]
     while stack:
         obj = stack.pop()
@@ -109,25 +106,26 @@ def written_bytes(state):
             stack.extend(obj.values())
         elif isinstance(obj, (list, tuple)):
             stack.extend(obj)
-        elif isinstance(obj, DTensor):
-            shards += obj.to_local().numel() * obj.element_size()
         elif torch.is_tensor(obj):
-            plain += obj.numel() * obj.element_size()
+            yield obj
+
+
+def written_bytes(state):
+    """Bytes of the tensors in this rank's state dict, entry by entry (a tied weight counts
+    under each of its names, as DCP writes it): DTensors as the local shard, and the
+    plain (replicated) tensors such as Adam's ``step`` counters separately."""
+    shards = plain = 0
+    for t in iter_tensors(state):
+        if isinstance(t, DTensor):
+            shards += t.to_local().numel() * t.element_size()
+        else:
+            plain += t.numel() * t.element_size()
     return {"shards": shards, "plain": plain}
 
 
 def held_bytes(state):
     """Bytes of memory a state dict holds on this rank (each storage once)."""
-    tensors, stack = [], [state]
-    while stack:
-        obj = stack.pop()
-        if isinstance(obj, dict):
-            stack.extend(obj.values())
-        elif isinstance(obj, (list, tuple)):
-            stack.extend(obj)
-        elif torch.is_tensor(obj):
-            tensors.append(local(obj))
-    return utils.tensor_bytes(tensors)
+    return utils.tensor_bytes(local(t) for t in iter_tensors(state))
 
 
 def global_batch(cfg, args, world, step):
