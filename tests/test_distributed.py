@@ -13,7 +13,7 @@ from conftest import REPO
 from utils.distributed import (DistributedLaunchError, launch, read_rank_results,
                                torchrun_command, write_rank_result)
 
-WORKER = REPO / "tests" / "fixtures" / "dist" / "allreduce_worker.py"
+WORKER = REPO / "tests" / "fixtures" / "distributed" / "allreduce_worker.py"
 
 
 def test_two_ranks_all_reduce(tmp_path):
