@@ -42,7 +42,8 @@ import utils
 import utils.distributed as ud
 # The FSDP2 recipe of notebook 02 (fully_shard per block, then the root), its seeded model
 # and its helpers, reused rather than copied (this folder is on sys.path for its scripts).
-from fsdp_memory import FSDP_IMPORT, apply_fsdp2, global_mean, local, new_model, rank_slice
+from fsdp_memory import (FSDP_IMPORT, add_model_args, apply_fsdp2, global_mean, local,
+                         model_config, new_model, rank_slice)
 
 PHASES = ("resume", "time")
 
@@ -248,11 +249,7 @@ def main():
     p.add_argument("--ckpt", required=True, help="folder for the checkpoints")
     p.add_argument("--phases", default="resume,time", help=f"comma-separated, from {PHASES}")
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
+    add_model_args(p)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank")
     p.add_argument("--steps", type=int, default=3, help="steps before and after the checkpoint")
     p.add_argument("--time-rounds", type=int, default=3, help="timed checkpoints of each kind")
@@ -266,8 +263,7 @@ def main():
         raise SystemExit(f"--phases must name some of {PHASES}, got {args.phases!r}")
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    cfg = utils.GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer,
-                          n_head=args.n_head, n_embd=args.n_embd)
+    cfg = model_config(args)
     ckpt = Path(args.ckpt)
     backend = None if args.backend == "auto" else args.backend
     with ud.worker(backend=backend, timeout_s=args.timeout_s) as w:

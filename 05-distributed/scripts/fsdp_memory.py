@@ -258,17 +258,27 @@ def run_config(name, cfg, args, w, mesh, batches, ref):
     return result
 
 
+def add_model_args(p):
+    """The TinyGPT size options (shared with dcp_checkpoint.py)."""
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=128)
+
+
+def model_config(args):
+    return utils.GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer,
+                           n_head=args.n_head, n_embd=args.n_embd)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="folder for rank<k>.json")
     p.add_argument("--configs", default="ddp,zero1,fsdp2",
                    help=f"comma-separated, from {', '.join(CONFIGS)}")
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
+    add_model_args(p)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank")
     p.add_argument("--steps", type=int, default=3, help="steps compared with the reference")
     p.add_argument("--time-steps", type=int, default=3, help="timed steps per configuration")
@@ -282,8 +292,7 @@ def main():
         raise SystemExit(f"unknown configuration(s) {unknown}: use {', '.join(CONFIGS)}")
 
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32: the comparison is exact-ish
-    cfg = utils.GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer,
-                          n_head=args.n_head, n_embd=args.n_embd)
+    cfg = model_config(args)
     backend = None if args.backend == "auto" else args.backend
     with ud.worker(backend=backend, timeout_s=args.timeout_s) as w:
         # An explicit 1-D mesh on the ranks' own device type: without it, fully_shard picks
