@@ -134,11 +134,11 @@ def launch(script: str | os.PathLike, nproc: int = 2, args: Sequence[str] = (), 
     # one reason: on a timeout, run() kills only torchrun and leaves its ranks
     # running (torchrun starts each in a session of its own); we stop them all.
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=full_env, cwd=str(cwd or path.parent.resolve())) as proc:
+                          env=full_env, cwd=str(cwd or path.parent)) as proc:
         try:
             output, _ = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            _kill_session(proc)
+            _stop_launch(proc)
             try:
                 output, _ = proc.communicate(timeout=10)
             except subprocess.TimeoutExpired:
@@ -148,7 +148,7 @@ def launch(script: str | os.PathLike, nproc: int = 2, args: Sequence[str] = (), 
                 f"waiting for a peer that died or never started). Last output:\n{_tail(output)}"
             ) from None
         except BaseException:  # e.g. the notebook's interrupt button: leave no ranks behind
-            _kill_session(proc)
+            _stop_launch(proc)
             raise
     wall = time.perf_counter() - start
     if proc.returncode != 0:
@@ -178,7 +178,7 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def _kill_session(proc: subprocess.Popen) -> None:
+def _stop_launch(proc: subprocess.Popen) -> None:
     """Stop torchrun and every rank it started.
 
     torchrun starts each rank in a session of its own, so killing torchrun's
