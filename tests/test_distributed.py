@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from conftest import REPO
 from utils.distributed import (DistributedLaunchError, launch, read_rank_results,
@@ -68,3 +69,14 @@ def test_worker_outside_torchrun_says_how_to_start(tmp_path):
 def test_rank_results_round_trip(tmp_path):
     write_rank_result(tmp_path, 0, {"a": 1})
     assert read_rank_results(tmp_path, 1) == [{"a": 1}]
+
+
+def test_step_times_ms_times_exactly_n_synchronised_calls():
+    from utils.distributed import step_times_ms
+    calls = []
+    times = step_times_ms(lambda: (calls.append(1), time.sleep(0.01)), 4, torch.device("cpu"))
+    assert len(calls) == len(times) == 4
+    assert all(9 <= t < 200 for t in times), times
+    assert step_times_ms(lambda: None, 0, torch.device("cpu")) == []
+    with pytest.raises(ValueError):
+        step_times_ms(lambda: None, -1, torch.device("cpu"))

@@ -31,7 +31,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -44,6 +44,7 @@ __all__ = [
     "worker",
     "write_rank_result",
     "read_rank_results",
+    "step_times_ms",
 ]
 
 _BACKENDS = ("gloo", "nccl")
@@ -276,6 +277,39 @@ def worker(backend: str | None = None, timeout_s: float = 120) -> Iterator[Worke
             dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def step_times_ms(step: Callable[[], Any], n: int, device: torch.device, *,
+                  barrier: bool = False) -> list[float]:
+    """Wall time in ms of ``n`` synchronised calls of ``step()``, one value per call.
+
+    Inside ranks, use this rather than :func:`utils.benchmark`: that picks its
+    repeat count from its own timings, which differ between ranks, and a rank
+    that runs one more collective than its peers waits forever. Here every rank
+    runs exactly ``n`` steps, with the device synchronised around each.
+
+    Args:
+        step: one step (it may hold collectives).
+        n: how many steps to time (>= 0).
+        device: the rank's device, synchronised before and after each step.
+        barrier: start every step on all ranks together (needs a process group).
+    """
+    import torch.distributed as dist
+
+    from .env import synchronize
+
+    if not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    times = []
+    for _ in range(n):
+        if barrier:
+            dist.barrier()
+        synchronize(device)
+        t0 = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
 
 
 def write_rank_result(out_dir: str | os.PathLike, rank: int, data: dict[str, Any]) -> Path:

@@ -148,23 +148,6 @@ def barrier(w: ud.WorkerInfo) -> None:
         dist.barrier()
 
 
-def step_times_ms(step, n: int, w: ud.WorkerInfo) -> list[float]:
-    """Wall time of ``n`` synchronised calls of ``step``, one value per call.
-
-    utils.benchmark sizes its blocks from a per-process estimate; here every
-    rank must run the same number of steps (each holds a collective), so we
-    time a fixed count, synchronising the GPU around each step.
-    """
-    times = []
-    for _ in range(n):
-        utils.synchronize(w.device)
-        t0 = time.perf_counter()
-        step()
-        utils.synchronize(w.device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
-
-
 def interleaved_times(variants: dict, a: argparse.Namespace, w: ud.WorkerInfo) -> dict:
     """Warm each variant up, then time them in rounds (A B C, A B C, ...) so that a
     machine that gets busier or quieter during the run affects every variant alike."""
@@ -176,7 +159,7 @@ def interleaved_times(variants: dict, a: argparse.Namespace, w: ud.WorkerInfo) -
     for _ in range(a.rounds):
         for name, step in variants.items():
             barrier(w)
-            times[name] += step_times_ms(step, per_round, w)
+            times[name] += ud.step_times_ms(step, per_round, w.device)
     return times
 
 

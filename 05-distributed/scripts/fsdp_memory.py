@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
-import time
 import warnings
 
 import torch
@@ -229,17 +228,10 @@ def run_config(name, cfg, args, w, mesh, batches, ref):
     for op, n in comm.get_comm_counts().items():
         counts[comm_name(op)] = counts.get(comm_name(op), 0) + n
 
-    # 4. Step time: a fixed number of steps on every rank. (utils.benchmark picks its
-    #    repeat count from its own timings, which differ between ranks: the ranks would
-    #    then run different numbers of collectives and hang.)
+    # 4. Step time: a fixed number of steps on every rank (ud.step_times_ms says why).
     x, y = rank_slice(batches[0], w, args)
-    times = []
-    for _ in range(args.time_steps):
-        utils.synchronize(w.device)
-        t0 = time.perf_counter()
-        utils.train_step(model, opt, x, y)
-        utils.synchronize(w.device)
-        times.append((time.perf_counter() - t0) * 1e3)
+    times = ud.step_times_ms(lambda: utils.train_step(model, opt, x, y), args.time_steps,
+                             w.device)
 
     result = {
         "losses": losses,

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
-import time
 import types
 import warnings
 
@@ -217,20 +216,9 @@ def param_bytes(model) -> dict[str, int]:
 
 
 def time_steps(step, n: int, device) -> list[float]:
-    """Seconds of n calls of step(), all ranks starting each call together.
-
-    A fixed count, not utils.benchmark: its adaptive repeat count could differ between
-    ranks, and a rank that runs one more collective than its peers waits forever.
-    """
-    times = []
-    for _ in range(n):
-        dist.barrier()
-        utils.synchronize(device)
-        t0 = time.perf_counter()
-        step()
-        utils.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return times
+    """Seconds of n calls of step(), all ranks starting each call together
+    (a fixed count: ud.step_times_ms says why not utils.benchmark)."""
+    return [ms / 1e3 for ms in ud.step_times_ms(step, n, device, barrier=True)]
 
 
 def time_width(a, w, mesh, n_embd: int) -> dict:
