@@ -12,6 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from .runner import DEFAULT_CELL_TIMEOUT_S
+
 
 def _cmd_env(args: argparse.Namespace) -> int:
     from .env import print_env
@@ -31,7 +33,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     failed = [r for r in runs if r.status != "ok"]
     print(f"\n{len(runs) - len(failed)} of {len(runs)} notebooks ran cleanly.")
     for r in failed:
-        print(f"FAILED {r.notebook}: executed copy with the error at {r.executed}")
+        print(f"{r.status.upper()} {r.notebook}: {r.summary}")
+        if r.executed:
+            print(f"    executed copy, with the error in place: {r.executed}")
     print(f"Executed notebooks, results JSON and run.json are in {out}")
     print(f"Summarise with: python -m utils report {out}")
     return 1 if failed else 0
@@ -70,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--full", action="store_true", help="force full size (meant for a GPU)")
     p.add_argument("--out", default=None,
                    help="output folder (default: results/local/run-<timestamp>)")
-    p.add_argument("--timeout", type=int, default=None, help="per-cell limit in seconds")
+    p.add_argument("--timeout", type=int, default=DEFAULT_CELL_TIMEOUT_S, metavar="SECONDS",
+                   help="per-cell limit; a cell that reaches it fails its notebook "
+                        f"(default {DEFAULT_CELL_TIMEOUT_S})")
     p.add_argument("--kernel", default="python3", help="Jupyter kernel name (default python3)")
     p.add_argument("--log-output", action="store_true",
                    help="stream cell output to this log (useful in sbatch jobs)")

@@ -5,34 +5,81 @@ notebook runs in a fresh kernel in its own folder; the executed copy is
 written even when a cell fails (papermill saves as it goes), the ledgers go
 to ``OUT/results/``, and ``OUT/run.json`` says what ran, how long, and what
 failed. A failure in one notebook does not stop the others.
+
+Two things make a headless run differ from stock papermill, both so that a run
+never waits on something that is not coming and never reports a stuck cell as
+done:
+
+* **No widget is mimicked.** nbclient (under papermill) imitates the
+  front end of an ipywidgets ``Output`` widget (the one inside
+  ``widgets.interactive``): it sends a ``comm_msg`` back to the kernel on the
+  shell socket for every output the widget captures, while another coroutine
+  is waiting on that same socket for the cell's ``execute_reply``.
+  jupyter_client sends through a plain (non-asyncio) shadow of the socket, so
+  pyzmq's asyncio layer never re-checks the socket after that send; when the
+  reply's arrival is consumed by the send, the wait is not woken until its
+  timeout, or never when there is none (upstream: jupyter/nbclient#312).
+  Our client registers no widget mimic: nothing is written to the kernel while
+  a cell runs, and what a widget's callback prints lands in the cell's output,
+  where a log or an executed copy shows it.
+* **Every cell has a time limit, and reaching it fails the notebook.** A cell
+  whose execution lasts the whole limit fails with a message naming the cell,
+  even when the kernel's reply turns up at the deadline.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime as _dt
+import functools
 import json
 import logging
 import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from .env import SMOKE_ENV_VAR
 from .ledger import REPO_ROOT, RESULTS_ENV_VAR
 
-__all__ = ["NotebookRun", "find_notebooks", "run_notebooks", "default_out_dir"]
+__all__ = [
+    "DEFAULT_CELL_TIMEOUT_S",
+    "NotebookRun",
+    "find_notebooks",
+    "run_notebooks",
+    "default_out_dir",
+    "summarize_failure",
+]
 
 NOTEBOOK_GLOB = "[0-9][0-9]_*.ipynb"
+#: Per-cell limit of ``python -m utils run`` when ``--timeout`` is not given: a
+#: batch job must never hang forever. The longest full-size cell of the course
+#: (a capstone ladder rung sweep) is meant to finish in about 10 minutes on one GPU.
+DEFAULT_CELL_TIMEOUT_S = 1800
+ENGINE_NAME = "course"
+TIMEOUT_ENAME = "CellTimeoutError"
+DEAD_KERNEL_ENAME = "DeadKernelError"
 
 
 @dataclass(frozen=True)
 class NotebookRun:
+    """What happened to one notebook.
+
+    ``status`` is ``"ok"``, ``"failed"`` (a cell raised, timed out or killed
+    the kernel; ``executed`` holds the copy with the error) or ``"malformed"``
+    (the file is not a notebook; nothing ran and ``executed`` is empty).
+    ``summary`` is one line naming the failing cell and the exception's first
+    line; ``error`` keeps the longer text.
+    """
+
     notebook: str
     executed: str
-    status: str  # "ok" or "failed"
+    status: str
     seconds: float
     error: str = ""
+    summary: str = ""
+    cell: int | None = None
 
 
 def find_notebooks(paths: Sequence[str | os.PathLike]) -> list[Path]:
@@ -88,14 +135,199 @@ def _relative_name(nb: Path) -> Path:
         return Path(nb.parent.name) / nb.name
 
 
+def _first_line(text: str) -> str:
+    return next((ln.strip() for ln in str(text).splitlines() if ln.strip()), "")
+
+
+# Cells papermill adds to an executed copy: an error banner and anchor, and the
+# injected parameters. Cell positions are counted without them, as in the source.
+_ADDED_TAGS = {"papermill-error-cell-tag", "injected-parameters"}
+
+
+def _source_cells(cells: Sequence[Any]) -> list[tuple[int, Any]]:
+    """(index in the executed copy, cell) for the cells that come from the source notebook."""
+    return [(i, c) for i, c in enumerate(cells)
+            if not _ADDED_TAGS & set(c.get("metadata", {}).get("tags", []))]
+
+
+def _describe_cell(cell: Any, position: int, n_cells: int) -> str:
+    """``cell 33 of 47 (In [17]: `explorer = ...`)``: how a person finds the cell.
+
+    ``position`` is 0-based among the source notebook's cells.
+    """
+    count = cell.get("execution_count")
+    first = _first_line(cell.get("source", ""))
+    if len(first) > 60:
+        first = first[:57] + "..."
+    where = f"In [{count}]: " if count else ""
+    return f"cell {position + 1} of {n_cells} ({where}`{first}`)"
+
+
+def summarize_failure(nb: Any) -> tuple[str, int | None]:
+    """One line for the first failing cell of an executed notebook, and its index.
+
+    The line names the cell (position, execution count, first source line) and
+    the exception's first line: ``cell 33 of 47 (In [17]: `x = f()`): ValueError:
+    bad size``; the index is the cell's 0-based position in the source notebook
+    (papermill's added cells not counted). Returns ``("", None)`` when no cell failed.
+    """
+    cells = _source_cells(nb.cells)
+    for i, (_, cell) in enumerate(cells):
+        if cell.get("cell_type") != "code":
+            continue
+        errors = [out for out in cell.get("outputs", []) if out.get("output_type") == "error"
+                  and not (out.get("ename") == "SystemExit"
+                           and str(out.get("evalue", "")) in ("", "0"))]
+        if errors:
+            # The last one: after a timeout the cell holds the interrupt's
+            # KeyboardInterrupt, then the runner's own CellTimeoutError.
+            out = errors[-1]
+            evalue = _first_line(out.get("evalue", ""))
+            exc = f"{out.get('ename', 'Error')}: {evalue}" if evalue else out.get("ename", "Error")
+            return f"{_describe_cell(cell, i, len(cells))}: {exc}", i
+        if cell.get("metadata", {}).get("papermill", {}).get("exception"):
+            return f"{_describe_cell(cell, i, len(cells))}: failed without an error output", i
+    return "", None
+
+
+@functools.cache
+def _make_engine():
+    """The papermill engine that runs notebooks with :class:`CourseNotebookClient`.
+
+    Built on first use so that importing :mod:`utils` does not import papermill.
+    """
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+    from nbclient.util import run_sync
+    from nbformat.v4 import new_output
+    from papermill.clientwrap import PapermillNotebookClient
+    from papermill.engines import NBClientEngine, papermill_engines
+
+    class CourseNotebookClient(PapermillNotebookClient):
+        """papermill's client without widget mimics, failing any cell that reaches its limit."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            # No front-end mimic for any widget (see the module docstring): the
+            # stock client registers one for Output widgets, whose messages to the
+            # kernel can hide a cell's reply from the wait that expects it.
+            self.widget_registry = {}
+            self._stop_early = False
+
+        def _fail_cell(self, cell: Any, ename: str, message: str) -> None:
+            cell.outputs.append(new_output("error", ename=ename, evalue=message,
+                                           traceback=[f"{ename}: {message}"]))
+            self._stop_early = True
+            raise CellExecutionError(message, ename, message)
+
+        async def _interrupt_and_settle(self, wait_s: float = 10.0) -> None:
+            """Interrupt the stuck cell and give the kernel a moment to answer.
+
+            A cell that honours the interrupt replies with a KeyboardInterrupt (its
+            traceback, which shows where it was stuck, lands in the cell); shutting
+            the kernel down before that makes it print an error of its own.
+            """
+            if self.km is None or self.kc is None:
+                return
+            await _maybe_await(self.km.interrupt_kernel())
+            deadline = time.monotonic() + wait_s
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    msg = await _maybe_await(self.kc.shell_channel.get_msg(timeout=left))
+                except Exception:  # noqa: BLE001 - queue.Empty: no reply in time
+                    return
+                if msg.get("msg_type") == "execute_reply":
+                    await asyncio.sleep(0.5)  # let the traceback reach the cell on IOPub
+                    return
+
+        async def async_execute_cell(self, cell: Any, cell_index: int, *args: Any,
+                                     **kwargs: Any) -> Any:
+            limit = self._get_timeout(cell)
+            t0 = time.monotonic()
+            source = _source_cells(self.nb.cells)
+            position = next((k for k, (i, _) in enumerate(source) if i == cell_index), cell_index)
+            where = _describe_cell(cell, position, len(source))
+            try:
+                result = await super().async_execute_cell(cell, cell_index, *args, **kwargs)
+            except CellTimeoutError:
+                await self._interrupt_and_settle()
+                self._fail_cell(cell, TIMEOUT_ENAME,
+                                f"this cell ran into the per-cell timeout of {limit} s; give it "
+                                "more time with --timeout SECONDS if it needs it")
+            except DeadKernelError:
+                self._fail_cell(cell, DEAD_KERNEL_ENAME,
+                                "the kernel died while running this cell (out of memory, a crash "
+                                "in native code, or os._exit)")
+            elapsed = time.monotonic() - t0
+            if limit is not None and cell.get("cell_type") == "code" and elapsed >= limit:
+                # The reply came only when the wait for it ran out: the cell took
+                # the whole limit, whatever the kernel says now.
+                self._fail_cell(cell, TIMEOUT_ENAME,
+                                f"this cell took {elapsed:.0f} s, reaching the per-cell timeout of "
+                                f"{limit} s; give it more time with --timeout SECONDS if it needs it")
+            return result
+
+        # nbclient binds its synchronous wrapper to the base class's coroutine.
+        execute_cell = run_sync(async_execute_cell)
+
+        def execute(self, **kwargs: Any) -> Any:
+            self.reset_execution_trackers()
+            with self.setup_kernel(**kwargs):
+                self.log.info(f"Executing notebook with kernel: {self.kernel_name}")
+                self.papermill_execute_cells()
+                if not self._stop_early:  # a stuck or dead kernel would not answer
+                    info = self.wait_for_reply(self.kc.kernel_info())
+                    if info:
+                        self.nb.metadata["language_info"] = info["content"]["language_info"]
+                self.set_widgets_metadata()
+            return self.nb
+
+    class CourseEngine(NBClientEngine):
+        @classmethod
+        def execute_managed_notebook(cls, nb_man, kernel_name, log_output=False,
+                                     stdout_file=None, stderr_file=None, start_timeout=60,
+                                     execution_timeout=None, **kwargs):
+            kwargs.pop("input_path", None)
+            kwargs.pop("timeout", None)
+            kwargs.pop("startup_timeout", None)
+            return CourseNotebookClient(
+                nb_man, timeout=execution_timeout, startup_timeout=start_timeout,
+                kernel_name=kernel_name, log=logging.getLogger("papermill"),
+                log_output=log_output, stdout_file=stdout_file, stderr_file=stderr_file,
+                **kwargs,
+            ).execute()
+
+    papermill_engines.register(ENGINE_NAME, CourseEngine)
+    return CourseEngine
+
+
+async def _maybe_await(x: Any) -> Any:
+    if hasattr(x, "__await__"):
+        return await x
+    return x
+
+
+def _check_notebook(path: Path) -> str:
+    """An empty string if ``path`` reads as a notebook, else why it does not."""
+    import nbformat
+
+    try:
+        nb = nbformat.read(path, as_version=4)
+    except Exception as exc:  # noqa: BLE001 - JSON errors, NotJSONError, unknown nbformat, ...
+        return f"{type(exc).__name__}: {_first_line(str(exc)) or 'unreadable'}"
+    if not isinstance(nb.get("cells"), list):
+        return "it has no list of cells"
+    return ""
+
+
 def run_notebooks(
     paths: Sequence[str | os.PathLike],
     out_dir: str | os.PathLike | None = None,
     smoke: bool | None = None,
-    timeout_s: int | None = None,
+    timeout_s: int | None = DEFAULT_CELL_TIMEOUT_S,
     kernel: str = "python3",
     log_output: bool = False,
     progress: bool = True,
+    start_timeout_s: int = 120,
 ) -> list[NotebookRun]:
     """Execute notebooks with papermill; returns one :class:`NotebookRun` each.
 
@@ -104,15 +336,25 @@ def run_notebooks(
         out_dir: where executed notebooks, ledgers and ``run.json`` go.
         smoke: ``True``/``False`` force the size; ``None`` lets each notebook
             decide (smoke on CPU, full on GPU, or ``$COURSE_SMOKE``).
-        timeout_s: per-cell time limit in seconds (``None``: no limit).
+        timeout_s: per-cell time limit in seconds; a cell that reaches it fails
+            its notebook. ``None`` means no limit (for interactive use only: a
+            batch job should always have one).
         kernel: the Jupyter kernel name.
         log_output: stream cell output to this process's log (for batch jobs).
+        progress: show papermill's per-cell progress bar.
+        start_timeout_s: how long a kernel may take to start.
+
+    Raises:
+        ValueError: a non-positive timeout.
+        FileNotFoundError: a path that does not exist.
     """
+    import nbformat
     import papermill as pm
 
     if timeout_s is not None and timeout_s <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout_s}")
     notebooks = find_notebooks(paths)
+    _make_engine()
     if log_output:
         _stream_papermill_log()
     out = Path(out_dir) if out_dir is not None else default_out_dir()
@@ -126,28 +368,43 @@ def run_notebooks(
     runs: list[NotebookRun] = []
     try:
         for nb in notebooks:
-            target = out / _relative_name(nb)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            print(f"==> {_relative_name(nb)}", flush=True)
-            t0 = time.perf_counter()
-            error = ""
-            try:
-                pm.execute_notebook(
-                    str(nb), str(target), parameters=params, kernel_name=kernel,
-                    cwd=str(nb.parent), execution_timeout=timeout_s,
-                    progress_bar=progress, log_output=log_output,
-                )
-            except Exception as exc:  # noqa: BLE001 - any failure is reported, the rest run on
-                error = f"{type(exc).__name__}: {exc}".strip()
-            seconds = time.perf_counter() - t0
-            run = NotebookRun(str(_relative_name(nb)), str(target), "failed" if error else "ok",
-                              round(seconds, 2), error[-4000:])
+            name = str(_relative_name(nb))
+            print(f"==> {name}", flush=True)
+            problem = _check_notebook(nb)
+            if problem:
+                run = NotebookRun(name, "", "malformed", 0.0, problem,
+                                  f"not a valid notebook ({problem}); nothing was executed")
+            else:
+                target = out / _relative_name(nb)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                t0 = time.perf_counter()
+                error = ""
+                try:
+                    pm.execute_notebook(
+                        str(nb), str(target), parameters=params, kernel_name=kernel,
+                        cwd=str(nb.parent), execution_timeout=timeout_s,
+                        start_timeout=start_timeout_s, engine_name=ENGINE_NAME,
+                        progress_bar=progress, log_output=log_output,
+                    )
+                except Exception as exc:  # noqa: BLE001 - any failure is reported, the rest run on
+                    error = f"{type(exc).__name__}: {exc}".strip() or type(exc).__name__
+                seconds = time.perf_counter() - t0
+                summary, cell = "", None
+                if error:
+                    if target.exists():
+                        summary, cell = summarize_failure(nbformat.read(target, as_version=4))
+                    summary = summary or _first_line(error)
+                run = NotebookRun(name, str(target) if target.exists() else "",
+                                  "failed" if error else "ok", round(seconds, 2),
+                                  error[-4000:], summary, cell)
             runs.append(run)
-            print(f"    {run.status} in {seconds:.1f} s -> {target}", flush=True)
-            if error:
-                print("    " + error.splitlines()[-1][:500] if error.splitlines() else "", flush=True)
+            if run.status == "ok":
+                print(f"    ok in {run.seconds:.1f} s -> {run.executed}", flush=True)
+            else:
+                print(f"    {run.status.upper()}: {run.summary}", flush=True)
             (out / "run.json").write_text(json.dumps({
-                "smoke": smoke, "results_dir": str(results), "runs": [asdict(r) for r in runs],
+                "smoke": smoke, "timeout_s": timeout_s, "results_dir": str(results),
+                "runs": [asdict(r) for r in runs],
             }, indent=2), encoding="utf-8")
     finally:
         for k, v in saved_env.items():
