@@ -94,6 +94,16 @@ def test_contract(nb_path):
     assert "ledger.finish()" in cells[_code(nb)[-1]].source, "the last code cell saves the ledger"
 
 
+def test_no_output_widgets(nb_path):
+    """interactive()/interact() hold an Output widget, which headless runners imitate and
+    which can make them wait for a cell's timeout (see utils/widgets.py): use utils.explorer."""
+    nb = nbformat.read(nb_path, as_version=4)
+    for c in nb.cells:
+        if c.cell_type == "code":
+            found = re.findall(r"\binteract(?:ive)?\(|\binteract_manual\(|\bOutput\(", c.source)
+            assert not found, f"{found[0]} in a cell: build explorers with utils.explorer"
+
+
 def test_correctness_is_checked_before_timing(nb_path):
     nb = nbformat.read(nb_path, as_version=4)
     code = [c.source for c in nb.cells if c.cell_type == "code"]

@@ -34,6 +34,7 @@ from .memory import (
 from .models import MLP, GPTConfig, SmallCNN, TinyGPT, count_parameters
 from .plots import memory_bars, plain_log_ticks, speedup_bars, sweep_plot, use_style
 from .training import first_call_s, image_batch, lm_batch, train_step
+from .widgets import explorer
 from .timing import (
     NoisyMeasurementWarning,
     SpeedupTable,
@@ -66,8 +67,8 @@ __all__ = [
     "SyntheticTokens", "CPUHeavyImages", "CUDAPrefetcher", "worker_init",
     # training
     "lm_batch", "image_batch", "train_step", "first_call_s",
-    # plots
-    "use_style", "speedup_bars", "memory_bars", "sweep_plot", "plain_log_ticks",
+    # plots and widgets
+    "explorer", "use_style", "speedup_bars", "memory_bars", "sweep_plot", "plain_log_ticks",
     # ledger
     "Ledger", "Measurement", "Expectation", "ExpectationNotMet", "results_dir",
 ]
