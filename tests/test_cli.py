@@ -82,6 +82,23 @@ def test_log_output_streams_cell_output_for_batch_logs(tmp_path):
     assert "SMOKE is True" in r.stdout + r.stderr  # the cell's print reached the job log
 
 
+def test_report_skips_files_that_are_not_ledgers(tmp_path, results_tmp):
+    import utils
+
+    utils.Ledger("m/01_x", smoke=True, env=utils.get_env("cpu")).save(tmp_path / "m__01_x.json")
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": [{"ph": "X"}]}))
+    (tmp_path / "other.json").write_text(json.dumps([1, 2, 3]))
+    (tmp_path / "broken.json").write_text("{not json")
+    (tmp_path / "run.json").write_text(json.dumps({"runs": []}))  # the runner's own file
+    r = cli("report", str(tmp_path), "--no-plots")
+    assert r.returncode == 0, r.stderr
+    assert "## m/01_x" in r.stdout
+    skipped = r.stdout.split("## Files skipped", 1)[1]
+    assert "trace.json`: not a ledger: a Chrome/profiler trace" in skipped
+    assert "other.json`: not a ledger" in skipped and "broken.json`: not JSON" in skipped
+    assert "run.json" not in skipped
+
+
 def test_report_without_results_is_a_clear_error(tmp_path):
     r = cli("report", str(tmp_path))
     assert r.returncode == 2 and "no ledgers" in r.stderr

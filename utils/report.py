@@ -9,14 +9,26 @@ from typing import Sequence
 
 from .ledger import NOT_MET, Ledger
 
-__all__ = ["load_ledgers", "markdown_report", "write_report"]
+__all__ = ["load_ledgers", "scan_results", "markdown_report", "write_report"]
+
+# A ledger is a few kB; anything this large (a profiler trace, say) is not one.
+MAX_LEDGER_BYTES = 20 * 2**20
+# Written by the runner beside the ledgers; not a ledger, and not worth a note.
+RUNNER_FILES = {"run.json"}
 
 
-def load_ledgers(paths: Sequence[str | os.PathLike]) -> list[Ledger]:
-    """Load ledger JSON files, searching folders recursively (``run.json`` is skipped).
+def scan_results(paths: Sequence[str | os.PathLike]) -> tuple[list[Ledger], list[tuple[Path, str]]]:
+    """Ledgers found in files and folders (searched recursively), and what was skipped.
+
+    Every ``*.json`` that is not a ledger (a Chrome trace, another tool's
+    JSON, a file that is not JSON at all) is skipped with the reason, never
+    an abort: a run folder holds more than ledgers.
+
+    Returns:
+        ``(ledgers sorted by notebook, [(skipped file, why), ...])``.
 
     Raises:
-        FileNotFoundError: a path does not exist, or nothing was found.
+        FileNotFoundError: a path does not exist.
     """
     files: list[Path] = []
     for raw in paths:
@@ -24,19 +36,47 @@ def load_ledgers(paths: Sequence[str | os.PathLike]) -> list[Ledger]:
         if not p.exists():
             raise FileNotFoundError(f"no such results file or folder: {raw}")
         files += sorted(p.rglob("*.json")) if p.is_dir() else [p]
-    ledgers = []
+    ledgers, skipped = [], []
     for f in files:
-        if f.name == "run.json":
+        if f.name in RUNNER_FILES:
+            continue
+        size = f.stat().st_size
+        if size > MAX_LEDGER_BYTES:
+            skipped.append((f, f"{size / 2**20:.0f} MiB, too large to be a ledger"))
             continue
         try:
             data = json.loads(f.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{f} is not valid JSON: {exc}") from None
-        if isinstance(data, dict) and "measurements" in data and "notebook" in data:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            skipped.append((f, f"not JSON ({exc})"))
+            continue
+        if not (isinstance(data, dict) and "measurements" in data and "notebook" in data):
+            what = "a Chrome/profiler trace" if isinstance(data, dict) and "traceEvents" in data \
+                else "JSON without a ledger's notebook and measurements"
+            skipped.append((f, f"not a ledger: {what}"))
+            continue
+        try:
             ledgers.append(Ledger.from_dict(data))
+        except (KeyError, TypeError, ValueError) as exc:
+            skipped.append((f, f"a damaged ledger ({type(exc).__name__}: {exc})"))
+    return sorted(ledgers, key=lambda led: led.notebook), skipped
+
+
+def load_ledgers(paths: Sequence[str | os.PathLike]) -> list[Ledger]:
+    """The ledgers in files and folders (see :func:`scan_results`; skipped files are dropped).
+
+    Raises:
+        FileNotFoundError: a path does not exist, or no ledger was found.
+    """
+    return _found_ledgers(paths)[0]
+
+
+def _found_ledgers(paths: Sequence[str | os.PathLike]) -> tuple[list[Ledger], list[tuple[Path, str]]]:
+    ledgers, skipped = scan_results(paths)
     if not ledgers:
-        raise FileNotFoundError(f"no ledgers (results JSON) found in {', '.join(map(str, paths))}")
-    return sorted(ledgers, key=lambda led: led.notebook)
+        why = f" ({len(skipped)} other JSON file(s) skipped)" if skipped else ""
+        raise FileNotFoundError(f"no ledgers (results JSON) found in "
+                                f"{', '.join(map(str, paths))}{why}")
+    return ledgers, skipped
 
 
 def _env_line(led: Ledger) -> str:
@@ -64,9 +104,11 @@ def write_report(paths: Sequence[str | os.PathLike], out: str | os.PathLike | No
                  plots: bool = True) -> Path:
     """Write ``report.md`` (and one bar plot per notebook of its ratios, unit ``x``).
 
+    Files that are not ledgers are listed at the end of the report, with why.
+
     Returns the path of the markdown file.
     """
-    ledgers = load_ledgers(paths)
+    ledgers, skipped = _found_ledgers(paths)
     first = Path(paths[0])
     out_path = Path(out) if out else (first if first.is_dir() else first.parent) / "report.md"
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -92,5 +134,7 @@ def write_report(paths: Sequence[str | os.PathLike], out: str | os.PathLike | No
             images.append(png)
         if images:
             text += "\n## Plots\n\n" + "\n".join(f"![{p.stem}]({p.name})" for p in images) + "\n"
+    if skipped:
+        text += "\n## Files skipped\n\n" + "\n".join(f"- `{f}`: {why}" for f, why in skipped) + "\n"
     out_path.write_text(text, encoding="utf-8")
     return out_path
