@@ -32,6 +32,7 @@ from .memory import (
     tensor_bytes,
 )
 from .models import MLP, GPTConfig, SmallCNN, TinyGPT, count_parameters
+from .precision import TF32State, set_tf32, tf32, tf32_state
 from .plots import memory_bars, plain_log_ticks, speedup_bars, sweep_plot, use_style
 from .training import first_call_s, image_batch, lm_batch, train_step
 from .widgets import explorer
@@ -65,6 +66,8 @@ __all__ = [
     # models and data
     "MLP", "SmallCNN", "GPTConfig", "TinyGPT", "count_parameters", "SyntheticImages",
     "SyntheticTokens", "CPUHeavyImages", "CUDAPrefetcher", "worker_init",
+    # precision
+    "TF32State", "tf32_state", "set_tf32", "tf32",
     # training
     "lm_batch", "image_batch", "train_step", "first_call_s",
     # plots and widgets

@@ -1,0 +1,129 @@
+"""TF32 on and off, with the current API where the installed torch has it.
+
+Since torch 2.9 the documented controls are per backend and operation:
+``torch.backends.cuda.matmul.fp32_precision`` and
+``torch.backends.cudnn.conv.fp32_precision``, each ``"tf32"`` or ``"ieee"``
+(``"none"`` inherits from the level above). The old spelling,
+``torch.backends.cuda.matmul.allow_tf32`` / ``torch.backends.cudnn.allow_tf32``,
+is deprecated there, and mixing the two can raise or report the wrong state, so
+this module uses exactly one of them: the new one where it exists (the GPU image's
+torch 2.11 and anything newer), the old one on older torch.
+
+TF32 changes only fp32 matmuls and convolutions on NVIDIA GPUs from Ampere (sm80)
+on; elsewhere the settings are recorded but change no result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+__all__ = ["TF32State", "tf32_state", "set_tf32", "tf32"]
+
+
+def _new_api() -> bool:
+    try:
+        torch.backends.cuda.matmul.fp32_precision  # noqa: B018 - attribute probe
+        torch.backends.cudnn.conv.fp32_precision  # noqa: B018
+    except AttributeError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class TF32State:
+    """Whether fp32 matmuls and cuDNN convolutions may use TF32, and through which API."""
+
+    matmul: bool
+    conv: bool
+    api: str  # "fp32_precision" (torch >= 2.9) or "allow_tf32"
+
+    def __str__(self) -> str:
+        on = {True: "on", False: "off"}
+        if self.api == "fp32_precision":
+            how = (f"torch.backends.cuda.matmul.fp32_precision={'tf32' if self.matmul else 'ieee'!r}, "
+                   f"torch.backends.cudnn.conv.fp32_precision={'tf32' if self.conv else 'ieee'!r}")
+        else:
+            how = (f"torch.backends.cuda.matmul.allow_tf32={self.matmul}, "
+                   f"torch.backends.cudnn.allow_tf32={self.conv}")
+        return f"TF32: matmul {on[self.matmul]}, cuDNN conv {on[self.conv]} ({how})"
+
+
+def _effective(value: str, parent: str) -> bool:
+    """A backend setting of 'none' inherits its parent's."""
+    return (parent if value == "none" else value) == "tf32"
+
+
+def tf32_state() -> TF32State:
+    """What the installed torch will do with fp32 matmuls and convolutions on an sm80+ GPU."""
+    if _new_api():
+        b = torch.backends
+        generic = getattr(b, "fp32_precision", "none")
+        cudnn_all = getattr(b.cudnn, "fp32_precision", "none")
+        matmul = _effective(b.cuda.matmul.fp32_precision, generic)
+        conv_parent = cudnn_all if cudnn_all != "none" else generic
+        conv = _effective(b.cudnn.conv.fp32_precision, conv_parent)
+        return TF32State(matmul, conv, "fp32_precision")
+    return TF32State(bool(torch.backends.cuda.matmul.allow_tf32),
+                     bool(torch.backends.cudnn.allow_tf32), "allow_tf32")
+
+
+def set_tf32(matmul: bool, conv: bool | None = None) -> TF32State:
+    """Allow (``True``) or forbid TF32 for fp32 matmuls and cuDNN convolutions.
+
+    Args:
+        matmul: TF32 for matmuls (cuBLAS).
+        conv: TF32 for cuDNN convolutions (default: the same as ``matmul``).
+
+    Returns:
+        The state before the change.
+
+    Raises:
+        TypeError: a setting that is not a bool.
+    """
+    conv = matmul if conv is None else conv
+    for name, value in (("matmul", matmul), ("conv", conv)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+    before = tf32_state()
+    if before.api == "fp32_precision":
+        torch.backends.cuda.matmul.fp32_precision = "tf32" if matmul else "ieee"
+        torch.backends.cudnn.conv.fp32_precision = "tf32" if conv else "ieee"
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = matmul
+        torch.backends.cudnn.allow_tf32 = conv
+    return before
+
+
+def _raw() -> tuple:
+    if _new_api():
+        return (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision)
+    return (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+
+
+def _restore(raw: tuple) -> None:
+    if _new_api():
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = raw
+    else:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = raw
+
+
+@contextlib.contextmanager
+def tf32(matmul: bool = True, conv: bool | None = None) -> Iterator[TF32State]:
+    """Run a block with TF32 on (or off) for matmuls and convolutions, then restore
+    the settings exactly as they were (``"none"``, inherit, included).
+
+    Example::
+
+        with utils.tf32(False):       # full fp32 for a reference result
+            ref = model(x)
+    """
+    raw = _raw()
+    set_tf32(matmul, conv)
+    try:
+        yield tf32_state()
+    finally:
+        _restore(raw)
