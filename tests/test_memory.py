@@ -36,6 +36,40 @@ def test_cpu_probe_counts_views_once_and_is_never_silent_zero():
     assert r.peak_bytes == MIB + MIB // 2 + 4
 
 
+def test_views_and_in_place_results_of_existing_tensors_are_not_new_memory():
+    x = torch.randn(2048, 2048)  # 16 MiB, allocated before the measurement
+    for name, fn in [("transpose", lambda: x.t()), ("slice", lambda: x[::2]),
+                     ("in-place add", lambda: x.add_(1)), ("view", lambda: x.view(-1))]:
+        r = utils.measure_peak_memory(fn, device="cpu", keep_result=True)
+        assert r.peak_bytes == 0 and r.retained_bytes == 0, (name, r)
+    # while a new result is new memory, and an in-place op on it adds nothing more
+    r = utils.measure_peak_memory(lambda: (x * 2).add_(1), device="cpu")
+    assert r.peak_bytes == 16 * MIB
+
+
+def test_saved_activations_count_while_autograd_holds_them():
+    """The tensor a user drops may live on inside autograd: exp saves its output."""
+    a = torch.randn(MIB, requires_grad=True)  # 4 MiB
+    r = utils.measure_peak_memory(lambda: a.exp().sum(), device="cpu", keep_result=True)
+    assert r.retained_bytes == 4 * MIB + 4  # exp's saved output (and the scalar loss)
+    r.result.backward()  # frees the saved output
+
+
+def test_a_warm_optimizer_step_adds_temporaries_only():
+    """Parameters, gradients and optimizer state exist before a warm step: its peak is the
+    update's temporaries, which stay below the parameters' own size for AdamW."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
+                                torch.nn.Linear(1024, 1024))
+    param_bytes = 4 * utils.count_parameters(model)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(8, 1024)).sum().backward()
+    opt.step()  # creates the state: the next step is warm
+    r = utils.measure_peak_memory(opt.step, device="cpu")
+    assert 0 < r.peak_bytes < param_bytes, (r, param_bytes)
+    assert r.retained_bytes == 0
+
+
 def test_cpu_probe_sees_saved_activations():
     model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 8))
     x = torch.randn(64, 256)

@@ -72,50 +72,51 @@ def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 
 
 class TensorMemoryTracker(TorchDispatchMode):
-    """Counts live tensor-storage bytes created while active, and their peak.
+    """Counts the bytes of tensor storage allocated while active, and their peak.
 
-    Every tensor an operator returns is registered against its storage; a
-    weak-reference finaliser per tensor lowers the storage's count, and the
-    bytes are released when no tracked tensor uses the storage any more.
-    Tensors that existed before the tracker started are not counted: the
-    figures are memory *added* by the tracked work.
+    An operator's output counts as new memory only when its storage is new: not
+    the storage of one of the operator's inputs (a view such as ``x.t()``, or the
+    result of an in-place op such as ``x.add_(1)``), and not one already counted.
+    Each counted storage is released when the storage itself is freed (a
+    finaliser on the storage, whose Python object lives exactly as long as the
+    storage does), not when the last Python tensor using it goes: autograd keeps
+    saved activations alive through tensors of its own. Storages that existed
+    before the tracker started are never counted: the figures are memory *added*
+    by the tracked work.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self._refs: dict[tuple[Any, int, int], int] = {}
+        self._live: dict[tuple[Any, int, int], int] = {}
         self.current_bytes = 0
         self.peak_bytes = 0
         self.allocations = 0
 
     def _release(self, key: tuple[Any, int, int]) -> None:
-        left = self._refs.get(key)
-        if left is None:
-            return
-        if left <= 1:
-            del self._refs[key]
-            self.current_bytes -= key[2]
-        else:
-            self._refs[key] = left - 1
+        nbytes = self._live.pop(key, None)
+        if nbytes is not None:
+            self.current_bytes -= nbytes
 
-    def _track(self, t: torch.Tensor) -> None:
+    def _track_new(self, t: torch.Tensor, inputs: set[tuple[Any, int, int]]) -> None:
         key = _storage_key(t)
-        if key is None:
+        if key is None or key in self._live or key in inputs:
             return
-        if key not in self._refs:
-            self._refs[key] = 0
-            self.current_bytes += key[2]
-            self.allocations += 1
-            self.peak_bytes = max(self.peak_bytes, self.current_bytes)
-        self._refs[key] += 1
-        weakref.finalize(t, self._release, key)
+        self._live[key] = key[2]
+        self.current_bytes += key[2]
+        self.allocations += 1
+        self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        weakref.finalize(t.untyped_storage(), self._release, key)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flat_in, _ = tree_flatten((args, kwargs))
+        inputs = {k for a in flat_in if isinstance(a, torch.Tensor)
+                  and (k := _storage_key(a)) is not None}
         flat, _ = tree_flatten(out)
         for t in flat:
             if isinstance(t, torch.Tensor):
-                self._track(t)
+                self._track_new(t, inputs)
         return out
 
 
