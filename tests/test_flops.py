@@ -50,3 +50,53 @@ def test_roofline_plot():
     assert pts[0].intensity == pytest.approx(1 / 12)
     with pytest.raises(ValueError):
         utils.plot_roofline([], c)
+
+
+def test_attention_is_counted_on_cpu_too():
+    """CPU SDPA runs a kernel torch < 2.15 has no FLOP formula for: it must not count as 0."""
+    b, h, seq, d = 2, 3, 64, 16
+    q, k, v = (torch.randn(b, h, seq, d, requires_grad=True) for _ in range(3))
+    fwd = utils.count_flops(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    assert fwd.total_flops == 2 * (2 * b * h * seq * seq * d)  # QK^T and PV
+    assert any("attention" in op for op in fwd.by_operator)
+
+    def fwd_bwd():
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    both = utils.count_flops(fwd_bwd)
+    assert both.total_flops > 2 * fwd.total_flops  # the backward's matmuls are counted too
+
+
+def test_datasheet_peaks_are_dense_and_only_for_known_parts():
+    assert utils.datasheet_peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == pytest.approx(989.4)
+    assert utils.datasheet_peak_tflops("NVIDIA H200", "tf32") == pytest.approx(494.7)
+    assert utils.datasheet_peak_tflops("NVIDIA A100-SXM4-80GB", "fp32") == pytest.approx(19.5)
+    # variants with other clocks are absent rather than guessed
+    assert utils.datasheet_peak_tflops("NVIDIA H100 PCIe", "bf16") is None
+    assert utils.datasheet_peak_tflops("NVIDIA H200 NVL", "bf16") is None
+    assert utils.datasheet_peak_tflops("NVIDIA GeForce RTX 4090", "bf16") is None
+    with pytest.raises(ValueError, match="precision"):
+        utils.datasheet_peak_tflops("NVIDIA H100 80GB HBM3", "int8")
+
+
+def test_mfu_report_labels_both_ceilings():
+    r = utils.mfu_report(flops=3e12, seconds=1.0, measured_ceiling_tflops=6.0, precision="fp32",
+                         device="cpu")
+    assert r.vs_measured == pytest.approx(0.5) and r.datasheet_peak_tflops is None
+    text = str(r)
+    assert "50.0% of the fp32 matmul ceiling measured here" in text
+    assert "no datasheet peak" in text
+    peaked = utils.MFUReport(400.0, 800.0, 989.4, "bf16", "NVIDIA H100 80GB HBM3")
+    assert peaked.vs_datasheet == pytest.approx(400 / 989.4)
+    assert "of the datasheet peak (989.4 TFLOP/s dense, NVIDIA H100 80GB HBM3)" in str(peaked)
+
+
+def test_ceiling_sizes_grow_for_gpus_and_two_byte_dtypes():
+    from utils.flops import _default_sizes
+
+    cuda = torch.device("cuda")
+    assert max(_default_sizes(cuda, torch.bfloat16)) > 4096  # a bf16 Hopper needs big matmuls
+    assert max(_default_sizes(cuda, torch.float32)) >= 8192
+    assert _default_sizes(torch.device("cpu"), torch.float32) == (2048,)
+    c = utils.measure_ceilings("cpu", smoke=True)
+    assert c.matmul_size == 1024

@@ -86,3 +86,37 @@ def test_cuda_timing_is_synchronised():
     assert utils.achieved_tflops(flops, t.median_s) < 1000
     cold = utils.cold_l2_benchmark(torch.mm, a, a, n_iter=20)
     assert cold.median_ms > 0 and cold.calls_per_block == 1
+
+
+def test_the_clock_synchronises_the_device_being_timed(monkeypatch):
+    """torch.utils.benchmark's clock syncs the *current* CUDA device; ours syncs the one given."""
+    from utils import timing
+
+    synced = []
+    monkeypatch.setattr(timing, "synchronize", lambda dev: synced.append(dev))
+    clock = timing._device_clock(torch.device("cuda", 1))
+    clock()
+    assert synced == [torch.device("cuda", 1)]
+    assert timing._device_clock(torch.device("cpu")) is time.perf_counter  # nothing to wait for
+
+
+def test_benchmark_reads_the_clock_of_its_device(monkeypatch):
+    from utils import timing
+
+    asked = []
+    real = timing._device_clock
+    monkeypatch.setattr(timing, "_device_clock", lambda dev: asked.append(dev) or real(dev))
+    t = utils.benchmark(torch.add, torch.ones(8), torch.ones(8), device="cpu", min_run_time_s=0.01)
+    assert asked == [torch.device("cpu")] and t.device == "cpu"
+
+
+@pytest.mark.gpu
+def test_benchmark_on_a_second_gpu_waits_for_that_gpu():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    x = torch.randn(4096, 4096, device="cuda:1")
+    with torch.cuda.device(0):  # the current device is another GPU
+        t = utils.benchmark(torch.mm, x, x, device="cuda:1", min_run_time_s=0.2)
+    # 2*4096^3 FLOPs cannot finish faster than on a 2000 TFLOP/s GPU: an unsynchronised
+    # clock would time only the launch
+    assert t.median_s > 2 * 4096**3 / 2000e12

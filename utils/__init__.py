@@ -19,6 +19,9 @@ from .flops import (
     measure_ceilings,
     measure_matmul_tflops,
     mfu,
+    MFUReport,
+    mfu_report,
+    datasheet_peak_tflops,
     plot_roofline,
 )
 from .ledger import Expectation, ExpectationNotMet, Ledger, Measurement, results_dir
@@ -62,6 +65,7 @@ __all__ = [
     # flops
     "FlopCount", "Ceilings", "RooflinePoint", "count_flops", "measure_matmul_tflops",
     "measure_bandwidth_gbs", "measure_ceilings", "achieved_tflops", "achieved_gbs", "mfu",
+    "MFUReport", "mfu_report", "datasheet_peak_tflops",
     "plot_roofline",
     # models and data
     "MLP", "SmallCNN", "GPTConfig", "TinyGPT", "count_parameters", "SyntheticImages",

@@ -2,9 +2,12 @@
 
 FLOPs come from :class:`torch.utils.flop_counter.FlopCounterMode`, which
 counts the matmul-like operators (matmul, convolution, attention) exactly and
-ignores the cheap elementwise ones. Ceilings are *measured* here, not taken
-from a datasheet: a large matmul for compute and a large copy for memory
-bandwidth. MFU is achieved FLOP/s over the measured matmul ceiling.
+ignores the cheap elementwise ones. Ceilings are *measured* here: a large
+matmul, in the dtype the work uses, for compute, and a large copy for memory
+bandwidth. MFU is a ratio to a ceiling, and which ceiling matters:
+:func:`mfu_report` gives it against the ceiling measured on this machine and,
+for the GPUs in :data:`DATASHEET_TFLOPS`, against the vendor's datasheet peak,
+each labelled.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ __all__ = [
     "achieved_tflops",
     "achieved_gbs",
     "mfu",
+    "MFUReport",
+    "mfu_report",
+    "datasheet_peak_tflops",
+    "DATASHEET_TFLOPS",
     "plot_roofline",
 ]
 
@@ -44,18 +51,48 @@ class FlopCount:
         return self.total_flops
 
 
+def _missing_attention_formulas() -> dict[Any, Callable[..., int]]:
+    """FLOP formulas for the CPU attention kernel, where torch's counter has none.
+
+    ``F.scaled_dot_product_attention`` on a CPU runs
+    ``aten._scaled_dot_product_flash_attention_for_cpu``; torch registers a FLOP
+    formula for it only from 2.15 on, and before that the counter silently counts
+    attention as zero FLOPs. We supply the same formula torch uses for its GPU
+    attention kernels (two matmuls forward, their gradients backward).
+    """
+    from torch.utils import flop_counter as fc
+
+    extra: dict[Any, Callable[..., int]] = {}
+    aten = torch.ops.aten
+    fwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    bwd = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if fwd is not None and fwd not in fc.flop_registry:
+        def forward(q, k, v, *args, out_shape=None, **kwargs) -> int:
+            return fc.sdpa_flop_count(q, k, v)
+
+        extra[fwd] = forward
+    if bwd is not None and bwd not in fc.flop_registry:
+        def backward(grad_out, q, k, v, *args, out_shape=None, **kwargs) -> int:
+            return fc.sdpa_backward_flop_count(grad_out, q, k, v)
+
+        extra[bwd] = backward
+    return extra
+
+
 def count_flops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> FlopCount:
     """Count the FLOPs of ``fn(*args, **kwargs)`` (forward, and backward if it runs one).
 
     A multiply-add counts as two FLOPs, so an ``(M, K) @ (K, N)`` matmul is
-    ``2 * M * N * K``.
+    ``2 * M * N * K``. Attention counts its two matmuls in full, on every device
+    and torch version (see :func:`_missing_attention_formulas`), causal or not:
+    torch's convention, although a causal kernel can skip about half that work.
 
     Raises:
         TypeError: ``fn`` is not callable.
     """
     if not callable(fn):
         raise TypeError(f"expected a callable, got {type(fn).__name__}")
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping=_missing_attention_formulas())
     with counter:
         fn(*args, **kwargs)
     by_op: dict[str, int] = {}
@@ -82,26 +119,148 @@ def achieved_gbs(nbytes: float, seconds: float) -> float:
 
 
 def mfu(achieved: float, ceiling: float) -> float:
-    """Model FLOPs utilisation: achieved TFLOP/s as a fraction of the ceiling."""
+    """Achieved TFLOP/s as a fraction of ``ceiling``: whatever ceiling you pass.
+
+    The course passes the matmul ceiling *measured* on this machine, which is
+    below the datasheet peak; say which when you print it, or use
+    :func:`mfu_report`, which gives both, labelled.
+    """
     _positive("ceiling", ceiling)
     return achieved / ceiling
+
+
+#: Dense (no 2:4 sparsity) peak TFLOP/s from NVIDIA's datasheets, per matmul
+#: precision, for the GPUs the course is run on. The datasheets print the
+#: Tensor Core figures "with sparsity"; dense is half of that. Keys are matched
+#: against ``torch.cuda.get_device_name()``, most specific first; PCIe and NVL
+#: variants (lower clocks and power) are deliberately absent rather than guessed.
+DATASHEET_TFLOPS: dict[str, dict[str, float]] = {
+    # H100 SXM5 (80 GB HBM3) and H200 SXM share the GH100 compute: 66.9 FP32,
+    # 494.7 TF32, 989.4 BF16/FP16 dense.
+    "H100 80GB HBM3": {"fp32": 66.9, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
+    "H200": {"fp32": 66.9, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
+    # A100 (SXM4 and PCIe): 19.5 FP32, 156 TF32, 312 BF16/FP16 dense.
+    "A100": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
+}
+_NOT_IN_TABLE = ("PCIe", "PCIE", "NVL")
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+
+
+def datasheet_peak_tflops(device_name: str, precision: str) -> float | None:
+    """The datasheet's dense peak for a GPU name and matmul precision, or ``None``.
+
+    Args:
+        device_name: e.g. ``torch.cuda.get_device_name()`` ("NVIDIA H100 80GB HBM3").
+        precision: ``"fp32"``, ``"tf32"`` (fp32 matmuls on TF32 Tensor Cores),
+            ``"bf16"`` or ``"fp16"``.
+
+    Raises:
+        ValueError: an unknown precision.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if any(word in device_name for word in _NOT_IN_TABLE):
+        return None
+    for key, peaks in DATASHEET_TFLOPS.items():
+        if key in device_name:
+            return peaks[precision]
+    return None
+
+
+@dataclass(frozen=True)
+class MFUReport:
+    """MFU against the measured ceiling and, where known, the datasheet peak."""
+
+    achieved_tflops: float
+    measured_ceiling_tflops: float
+    datasheet_peak_tflops: float | None
+    precision: str
+    device_name: str
+
+    @property
+    def vs_measured(self) -> float:
+        return self.achieved_tflops / self.measured_ceiling_tflops
+
+    @property
+    def vs_datasheet(self) -> float | None:
+        if self.datasheet_peak_tflops is None:
+            return None
+        return self.achieved_tflops / self.datasheet_peak_tflops
+
+    def __str__(self) -> str:
+        text = (f"{self.achieved_tflops:.3g} TFLOP/s = {self.vs_measured:.1%} of the {self.precision} "
+                f"matmul ceiling measured here ({self.measured_ceiling_tflops:.3g} TFLOP/s)")
+        if self.datasheet_peak_tflops is None:
+            return text + f"; no datasheet peak in the course's table for {self.device_name}"
+        return text + (f", {self.vs_datasheet:.1%} of the datasheet peak "
+                       f"({self.datasheet_peak_tflops:.4g} TFLOP/s dense, {self.device_name})")
+
+
+def mfu_report(flops: float, seconds: float, measured_ceiling_tflops: float, precision: str,
+               device: str | torch.device | None = None) -> MFUReport:
+    """MFU of ``flops`` done in ``seconds``, against both ceilings, labelled.
+
+    Args:
+        flops: FLOPs of the work (e.g. from :func:`count_flops`).
+        seconds: its time.
+        measured_ceiling_tflops: the matmul ceiling measured on this machine in the
+            precision the work's matmuls use (:func:`measure_matmul_tflops`).
+        precision: that precision: ``"fp32"``, ``"tf32"``, ``"bf16"`` or ``"fp16"``.
+        device: the device the work ran on (default: :func:`utils.pick_device`).
+    """
+    _positive("measured_ceiling_tflops", measured_ceiling_tflops)
+    dev = pick_device(device)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"the {dev.type.upper()}"
+    peak = datasheet_peak_tflops(name, precision) if dev.type == "cuda" else None
+    return MFUReport(achieved_tflops(flops, seconds), measured_ceiling_tflops, peak, precision, name)
+
+
+def _default_sizes(dev: torch.device, dtype: torch.dtype) -> tuple[int, ...]:
+    """Matmul sizes whose best run is the ceiling: a GPU needs big ones to fill every
+    SM, 2-byte dtypes most of all (a 4096 bf16 matmul is short of a Hopper's best)."""
+    if dev.type == "cuda":
+        return (8192, 16384) if torch.finfo(dtype).bits <= 16 else (8192,)
+    return (2048,)
 
 
 def measure_matmul_tflops(
     device: str | torch.device | None = None,
     dtype: torch.dtype = torch.float32,
-    n: int = 4096,
+    n: int | None = None,
     min_run_time_s: float = 0.5,
 ) -> float:
-    """Measured TFLOP/s of an ``n x n`` by ``n x n`` matmul: the compute ceiling."""
-    if not isinstance(n, int) or n < 1:
+    """Measured TFLOP/s of square matmuls: the compute ceiling for ``dtype``.
+
+    Args:
+        device: where to measure (default: :func:`utils.pick_device`).
+        dtype: the matmul dtype; for fp32 on a GPU, TF32 applies if it is on
+            (see :func:`utils.tf32_state`): measure the ceiling your work uses.
+        n: one size ``n x n @ n x n``; default: the best of a few sizes large
+            enough for the device (8192 and 16384 for 2-byte dtypes on a GPU,
+            8192 for fp32 there, 2048 on a CPU).
+        min_run_time_s: time spent per size.
+    """
+    if n is not None and (not isinstance(n, int) or n < 1):
         raise ValueError(f"n must be a positive int, got {n!r}")
     dev = pick_device(device)
-    a = torch.randn(n, n, device=dev, dtype=dtype)
-    b = torch.randn(n, n, device=dev, dtype=dtype)
-    t = benchmark(torch.mm, a, b, label=f"mm {n} {dtype}", device=dev,
-                  min_run_time_s=min_run_time_s, warn_if_noisy=False)
-    return achieved_tflops(2 * n**3, t.median_s)
+    return _best_matmul(dev, dtype, (n,) if n is not None else _default_sizes(dev, dtype),
+                        min_run_time_s)[0]
+
+
+def _best_matmul(dev: torch.device, dtype: torch.dtype, sizes: Sequence[int],
+                 min_run_time_s: float) -> tuple[float, int]:
+    """(best TFLOP/s, the size that reached it) over square matmuls of ``sizes``."""
+    best, best_size = 0.0, sizes[0]
+    for size in sizes:
+        a = torch.randn(size, size, device=dev, dtype=dtype)
+        b = torch.randn(size, size, device=dev, dtype=dtype)
+        t = benchmark(torch.mm, a, b, label=f"mm {size} {dtype}", device=dev,
+                      min_run_time_s=min_run_time_s, warn_if_noisy=False)
+        tflops = achieved_tflops(2 * size**3, t.median_s)
+        if tflops > best:
+            best, best_size = tflops, size
+        del a, b
+    return best, best_size
 
 
 def measure_bandwidth_gbs(
@@ -144,20 +303,25 @@ def measure_ceilings(
     dtype: torch.dtype = torch.float32,
     smoke: bool = False,
 ) -> Ceilings:
-    """Measure the matmul and copy ceilings (small sizes when ``smoke``)."""
+    """Measure the matmul and copy ceilings (small sizes when ``smoke``).
+
+    ``dtype`` is the matmul dtype of the work you will compare against it; the
+    default fp32 suits fp32 work only (bf16 work needs the bf16 ceiling).
+    """
     dev = pick_device(device)
     if smoke:
-        n, nbytes, rt = 1024, 64 << 20, 0.2
+        sizes, nbytes, rt = (1024,), 64 << 20, 0.2
     elif dev.type == "cuda":
-        n, nbytes, rt = 8192, 2 << 30, 0.5
+        sizes, nbytes, rt = _default_sizes(dev, dtype), 2 << 30, 0.5
     else:
-        n, nbytes, rt = 2048, 512 << 20, 0.5
+        sizes, nbytes, rt = (2048,), 512 << 20, 0.5
+    tflops, size = _best_matmul(dev, dtype, sizes, rt)
     return Ceilings(
         device=str(dev),
         dtype=str(dtype).replace("torch.", ""),
-        matmul_tflops=measure_matmul_tflops(dev, dtype, n, rt),
+        matmul_tflops=tflops,
         bandwidth_gbs=measure_bandwidth_gbs(dev, nbytes, rt),
-        matmul_size=n,
+        matmul_size=size,
         copy_bytes=nbytes,
         num_threads=torch.get_num_threads(),
         matmul_precision=torch.get_float32_matmul_precision(),

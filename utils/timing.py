@@ -36,7 +36,6 @@ _cpp_ext_log.setLevel(logging.ERROR)
 try:
     import torch.utils.benchmark as tbench
     from torch.utils.benchmark.utils import common as _tb_common
-    from torch.utils.benchmark.utils.timer import timer as _sync_clock
 finally:
     _cpp_ext_log.setLevel(_saved_level)
 
@@ -137,6 +136,22 @@ def _quantiles(values: Sequence[float]) -> tuple[float, float, float]:
     return q[0], q[1], q[2]
 
 
+def _device_clock(dev: torch.device) -> Callable[[], float]:
+    """``time.perf_counter`` read after the work queued on ``dev`` has finished.
+
+    torch.utils.benchmark's own clock synchronises the *current* CUDA device,
+    which is not the one being timed when ``dev`` is another GPU.
+    """
+    if dev.type == "cpu":
+        return time.perf_counter
+
+    def clock() -> float:
+        synchronize(dev)
+        return time.perf_counter()
+
+    return clock
+
+
 def _estimate_call_s(call: Callable[[], None], dev: torch.device, block_s: float) -> float:
     """Median wall time of up to 3 synchronised calls; one suffices when a call
     already outlasts a block (the block is then a single call anyway)."""
@@ -167,19 +182,18 @@ def benchmark(
     """Time ``fn(*args, **kwargs)`` and return its per-call statistics.
 
     The callable is warmed up (first calls pay for allocation, autotuning and
-    compilation), then timed in blocks of calls with the clock of
-    :mod:`torch.utils.benchmark`, which synchronises the accelerator before
-    every reading, under its thread-count control. Blocks are
-    sized from a timed warm-up call so that about 20 of them fill
-    ``min_run_time_s`` (at least ``min_blocks``); the median and IQR are over
-    blocks. On MPS we synchronise
-    inside the timed call, since the Timer only knows CUDA-style accelerators.
+    compilation), then timed in blocks of calls with a clock that synchronises
+    ``device`` before every reading, under torch.utils.benchmark's thread-count
+    control. Blocks are sized from a timed warm-up call so that about 20 of them
+    fill ``min_run_time_s`` (at least ``min_blocks``); the median and IQR are
+    over blocks.
 
     Args:
         fn: what to time.
         *args: positional arguments for ``fn``.
         label: a name for tables and plots (default: the function's name).
-        device: where ``fn`` runs; used for synchronisation and the record.
+        device: where ``fn`` runs: this device is synchronised before every
+            clock reading, and named in the record.
         min_run_time_s: total time to spend measuring, in seconds (> 0).
         warmup: untimed calls before measuring (>= 0).
         num_threads: CPU threads for the measurement (default: the current
@@ -202,24 +216,16 @@ def benchmark(
     dev = pick_device(device)
     name = label or getattr(fn, "__name__", "fn")
 
-    if dev.type == "mps":
-
-        def call() -> None:
-            fn(*args, **kwargs)
-            torch.mps.synchronize()
-
-    else:
-
-        def call() -> None:
-            fn(*args, **kwargs)
+    def call() -> None:
+        fn(*args, **kwargs)
 
     threads = num_threads or torch.get_num_threads()
     # torch's Timer.timeit() adds max(number // 100, 2) untimed calls to every
-    # block, which triples the cost of timing a slow step one call at a time.
-    # So we drive blocks ourselves with timeit and torch.utils.benchmark's own
-    # clock, which synchronises the accelerator before every reading.
+    # block, which triples the cost of timing a slow step one call at a time,
+    # and its clock synchronises the current CUDA device, not necessarily `dev`.
+    # So we drive blocks ourselves with timeit and a clock of our own.
     clock = timeit.Timer(stmt="__course_call()", globals={"__course_call": call},
-                         timer=_sync_clock)
+                         timer=_device_clock(dev))
     with _tb_common.set_torch_threads(threads):
         for _ in range(warmup):
             call()
@@ -237,7 +243,7 @@ def benchmark(
     m = tbench.Measurement(number_per_run=number, raw_times=raw_s, task_spec=task)
     times_ms = tuple(t / number * 1e3 for t in raw_s)  # per call, one value per block
     result = Timing.from_times(name, times_ms, number, str(dev),
-                               "torch.utils.benchmark clock, synchronised blocks", m)
+                               f"timeit blocks, {dev} synchronised at every clock reading", m)
     if warn_if_noisy and result.noisy:
         warnings.warn(
             f"{name}: IQR is {result.iqr_fraction:.0%} of the median "
