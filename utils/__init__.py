@@ -39,6 +39,8 @@ from .precision import TF32State, set_tf32, tf32, tf32_state
 from .plots import memory_bars, plain_log_ticks, speedup_bars, sweep_plot, use_style
 from .training import first_call_s, image_batch, lm_batch, train_step
 from .widgets import explorer
+from .kernels import KernelCount, count_kernels, enable_cpu_kernel_profile, kernel_names, kernel_source
+from .attention import BackendStatus, sdpa_backend_status, sdpa_backends
 from .timing import (
     NoisyMeasurementWarning,
     SpeedupTable,
@@ -76,6 +78,9 @@ __all__ = [
     "lm_batch", "image_batch", "train_step", "first_call_s",
     # plots and widgets
     "explorer", "use_style", "speedup_bars", "memory_bars", "sweep_plot", "plain_log_ticks",
+    # kernels and attention backends
+    "KernelCount", "count_kernels", "enable_cpu_kernel_profile", "kernel_names", "kernel_source",
+    "BackendStatus", "sdpa_backend_status", "sdpa_backends",
     # ledger
     "Ledger", "Measurement", "Expectation", "ExpectationNotMet", "results_dir",
 ]

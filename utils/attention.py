@@ -1,0 +1,111 @@
+"""Which ``scaled_dot_product_attention`` backends can run a given call, and why not.
+
+:func:`torch.nn.functional.scaled_dot_product_attention` (SDPA) picks one of
+several kernels for each call: the plain ``MATH`` composition of matmuls and a
+softmax, FlashAttention, memory-efficient attention, cuDNN attention. Which
+ones can run depends on the device, dtype, head size, mask and the build.
+:func:`sdpa_backend_status` forces each backend in turn with
+:func:`torch.nn.attention.sdpa_kernel` and reports, per backend, whether the
+call ran and, if not, the reason PyTorch gave.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["BackendStatus", "sdpa_backends", "sdpa_backend_status"]
+
+# SDPBackend members that are not kernels one can force.
+_NOT_KERNELS = ("ERROR", "OVERRIDEABLE")
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    """Whether one SDPA backend ran a call, and the reason when it did not."""
+
+    backend: str
+    available: bool
+    reason: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.backend:<20} " + ("runs" if self.available else f"cannot run: {self.reason}")
+
+
+def sdpa_backends() -> dict[str, Any]:
+    """The SDPA backends this torch defines, by name (``MATH``, ``FLASH_ATTENTION``, ...).
+
+    ``CUDNN_ATTENTION`` is listed only where this torch has it.
+    """
+    from torch.nn.attention import SDPBackend
+
+    members = getattr(SDPBackend, "__members__", None)
+    if members is None:  # an ordinary Enum
+        members = {m.name: m for m in SDPBackend}
+    return {name: member for name, member in members.items() if name not in _NOT_KERNELS}
+
+
+def _reason(exc: BaseException, caught: list[warnings.WarningMessage], name: str,
+            device: torch.device) -> str:
+    """PyTorch explains a refused backend in UserWarnings (on CUDA, once per process for
+    some of them); the error itself is generic."""
+    lines = []
+    for w in caught:
+        text = " ".join(str(w.message).split())
+        if text and text not in lines:
+            lines.append(text)
+    if lines:
+        return "; ".join(lines)
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return (f"no {name} kernel accepted this call on {device.type} in this build "
+            f"(PyTorch says: {first})")
+
+
+def sdpa_backend_status(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                        attn_mask: torch.Tensor | None = None, is_causal: bool = False,
+                        dropout_p: float = 0.0, backends: list[str] | None = None,
+                        ) -> dict[str, BackendStatus]:
+    """Try each SDPA backend on this call and say which ones run.
+
+    The call runs once per backend, forward only and without autograd, so pass
+    small tensors with the dtype, device, head size and mask of the real call.
+
+    Args:
+        query, key, value: ``(batch, heads, seq, head_dim)`` tensors.
+        attn_mask / is_causal / dropout_p: as for ``scaled_dot_product_attention``.
+        backends: names to try (default: all of :func:`sdpa_backends`).
+
+    Raises:
+        TypeError: an input is not a tensor.
+        ValueError: an unknown backend name, or inputs that are not 4-D.
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be (batch, heads, seq, head_dim), got shape "
+                             f"{tuple(t.shape)}")
+    from torch.nn.attention import sdpa_kernel
+
+    known = sdpa_backends()
+    names = list(known) if backends is None else list(backends)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown SDPA backend(s) {unknown}; this torch has {list(known)}")
+    status: dict[str, BackendStatus] = {}
+    for name in names:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with torch.no_grad(), sdpa_kernel([known[name]]):
+                    F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
+                                                   is_causal=is_causal, dropout_p=dropout_p)
+                status[name] = BackendStatus(name, True)
+            except (RuntimeError, NotImplementedError, ValueError) as exc:
+                status[name] = BackendStatus(name, False,
+                                             _reason(exc, caught, name, query.device))
+    return status
