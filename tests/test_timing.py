@@ -86,6 +86,8 @@ def test_cuda_timing_is_synchronised():
     assert utils.achieved_tflops(flops, t.median_s) < 1000
     cold = utils.cold_l2_benchmark(torch.mm, a, a, n_iter=20)
     assert cold.median_ms > 0 and cold.calls_per_block == 1
+    warm = utils.cold_l2_benchmark(torch.mm, a, a, n_iter=20, flush_l2=False)
+    assert "L2 warm" in warm.method and "L2 flushed" in cold.method
 
 
 def test_the_clock_synchronises_the_device_being_timed(monkeypatch):

@@ -28,6 +28,13 @@ __all__ = [
 
 _KNOWN_DEVICE_TYPES = ("cpu", "cuda", "mps")
 
+# The profiler's Kineto library reports "gpuGetDeviceCount failed" as an ERROR on every profile
+# taken on a machine without a GPU: noise that reads like a failure in a learner's output. Where
+# there is no CUDA GPU, show only its fatal messages (it reads the level when it logs; an
+# explicit KINETO_LOG_LEVEL wins). On a GPU its errors stay visible.
+if not torch.cuda.is_available():
+    os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+
 
 def pick_device(device: str | torch.device | None = None) -> torch.device:
     """Return the device to run on.

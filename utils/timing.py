@@ -263,18 +263,24 @@ def cold_l2_benchmark(
     n_iter: int = 50,
     warmup: int = 5,
     flush_bytes: int | None = None,
+    flush_l2: bool = True,
     **kwargs: Any,
 ) -> Timing:
     """Time single CUDA calls with a cold L2 cache, each with its own CUDA events.
 
     Before every call a buffer larger than the L2 cache is zeroed, so the
     kernel reads its inputs from HBM the way it would inside a big model.
+    With ``flush_l2=False`` a tiny buffer is zeroed instead: the same launches,
+    the same clock, but a warm L2. Compare those two to see what the L2 did;
+    comparing with :func:`benchmark` (blocks of back-to-back calls on the host
+    clock) mixes in a different measurement method.
 
     Args:
         fn: the kernel launch to time.
         n_iter: timed calls (>= 1).
         warmup: untimed calls first (>= 0).
         flush_bytes: size of the flush buffer (default: 4 x L2, at least 64 MiB).
+        flush_l2: ``False`` for the warm-L2 control (a 4 KiB buffer is zeroed).
 
     Raises:
         TypeError: ``fn`` is not callable.
@@ -291,7 +297,9 @@ def cold_l2_benchmark(
             f"cold_l2_benchmark needs a CUDA device (got {str(dev)!r}): it uses CUDA "
             "events and flushes the GPU's L2 cache. Use benchmark() on the CPU."
         )
-    if flush_bytes is None:
+    if not flush_l2:
+        flush_bytes = 4096
+    elif flush_bytes is None:
         l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or 0
         flush_bytes = max(4 * l2, 64 * 1024**2)
     # Events record on the current stream of the current device: make that `dev`.
@@ -309,8 +317,9 @@ def cold_l2_benchmark(
             ends[i].record()
         torch.cuda.synchronize(dev)
     times_ms = tuple(s.elapsed_time(e) for s, e in zip(starts, ends))
+    how = "L2 flushed" if flush_l2 else "L2 warm (4 KiB zeroed)"
     return Timing.from_times(label or getattr(fn, "__name__", "fn"), times_ms, 1, str(dev),
-                             "CUDA events, L2 flushed before each call")
+                             f"CUDA events per call, {how} before each call")
 
 
 @dataclass(frozen=True)
