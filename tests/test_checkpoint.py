@@ -86,3 +86,115 @@ def test_a_pickled_module_is_refused_with_advice(tmp_path):
 def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         safe_load(tmp_path / "nope.pt")
+
+
+# -- training state: everything a resumed run needs, in one atomic file ---------------------
+
+from utils.checkpoint import (  # noqa: E402
+    TrainingState,
+    load_training_state,
+    remove_stale_temporaries,
+    save_training_state,
+    stale_temporaries,
+)
+
+
+def _run(steps, model=None, opt=None, scaler=None, start=0):
+    torch.manual_seed(1000 + start)
+    model = model or nn.Linear(8, 4)
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for i in range(start, steps):
+        g = torch.Generator().manual_seed(i)
+        x = torch.randn(4, 8, generator=g)
+        loss = model(x).pow(2).mean() + 0.01 * torch.randn(()).abs()  # uses the global RNG
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return model, opt
+
+
+def test_resume_equals_an_uninterrupted_run(tmp_path):
+    torch.manual_seed(0)
+    ref, _ = _run(6, model=nn.Linear(8, 4))
+    torch.manual_seed(0)
+    model, opt = _run(3, model=nn.Linear(8, 4))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    save_training_state(tmp_path / "s.pt", model=model, optimizer=opt, scaler=scaler, step=3,
+                        extra={"epoch": 1, "note": "half way"})
+    torch.manual_seed(123)  # the resumed process starts with other weights and another RNG state
+    model2 = nn.Linear(8, 4)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    scaler2 = torch.amp.GradScaler("cpu")
+    st = load_training_state(tmp_path / "s.pt", model=model2, optimizer=opt2, scaler=scaler2)
+    assert isinstance(st, TrainingState) and st.step == 3 and st.extra["epoch"] == 1
+    assert st.restored == ("model", "optimizer", "scaler", "rng")
+    assert scaler2.get_scale() == 1024.0
+    resumed, _ = _run(6, model=model2, opt=opt2, start=st.step)
+    for a, b in zip(resumed.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_resume_without_optimizer_state_differs(tmp_path):
+    """The negative control: the model alone is not enough to resume AdamW."""
+    torch.manual_seed(0)
+    ref, _ = _run(6, model=nn.Linear(8, 4))
+    torch.manual_seed(0)
+    model, opt = _run(3, model=nn.Linear(8, 4))
+    save_training_state(tmp_path / "s.pt", model=model, step=3)
+    model2 = nn.Linear(8, 4)
+    st = load_training_state(tmp_path / "s.pt", model=model2)
+    resumed, _ = _run(6, model=model2, start=st.step)
+    assert not all(torch.equal(a, b) for a, b in zip(resumed.parameters(), ref.parameters()))
+
+
+def test_a_missing_part_is_an_error_not_a_fresh_start(tmp_path):
+    model = nn.Linear(2, 2)
+    save_training_state(tmp_path / "s.pt", model=model, step=0)
+    with pytest.raises(CheckpointError, match="no optimizer or scaler state"):
+        load_training_state(tmp_path / "s.pt", model=model,
+                            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                            scaler=torch.amp.GradScaler("cpu"))
+
+
+def test_foreign_and_mismatched_files_are_clear_errors(tmp_path):
+    atomic_save({"weight": torch.zeros(2)}, tmp_path / "bare.pt")
+    with pytest.raises(CheckpointError, match="not a training state"):
+        load_training_state(tmp_path / "bare.pt", model=nn.Linear(2, 2))
+    save_training_state(tmp_path / "s.pt", model=nn.Linear(2, 2), step=1)
+    with pytest.raises(CheckpointError, match="does not fit this model"):
+        load_training_state(tmp_path / "s.pt", model=nn.Linear(3, 2))
+
+
+def test_training_state_arguments_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="step must be"):
+        save_training_state(tmp_path / "s.pt", model=nn.Linear(2, 2), step=-1)
+    with pytest.raises(TypeError, match="model must be"):
+        save_training_state(tmp_path / "s.pt", model={"w": torch.zeros(1)}, step=0)
+    with pytest.raises(TypeError, match="extra must be a dict"):
+        save_training_state(tmp_path / "s.pt", model=nn.Linear(2, 2), step=0, extra=[1])
+
+
+def test_meta_model_filled_with_assign_and_mmap(tmp_path):
+    torch.manual_seed(0)
+    src = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    save_training_state(tmp_path / "s.pt", model=src, step=5, rng=False)
+    with torch.device("meta"):
+        dst = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    st = load_training_state(tmp_path / "s.pt", model=dst, assign=True, mmap=True)
+    assert st.step == 5 and "rng" not in st.restored
+    assert not any(p.is_meta for p in dst.parameters())
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(dst(x), src(x))
+
+
+def test_stale_temporaries_of_a_killed_save(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    atomic_save({"step": 1}, path)
+    assert stale_temporaries(path) == []
+    (tmp_path / ".ckpt.pt.abc123.tmp").write_bytes(b"PK half")
+    (tmp_path / ".other.pt.x.tmp").write_bytes(b"not ours")
+    assert [p.name for p in stale_temporaries(path)] == [".ckpt.pt.abc123.tmp"]
+    assert remove_stale_temporaries(path) == len(b"PK half")
+    assert stale_temporaries(path) == [] and (tmp_path / ".other.pt.x.tmp").exists()
+    assert safe_load(path)["step"] == 1
+    assert stale_temporaries(tmp_path / "missing" / "x.pt") == []

@@ -7,6 +7,13 @@ never half of one. :func:`safe_load` loads with ``weights_only=True`` (the
 default since torch 2.6: tensors, containers and plain types, no arbitrary
 pickled objects) and turns the errors of a truncated, foreign or unsafe file
 into one :class:`CheckpointError` that names the file and says what to do.
+
+:func:`save_training_state` / :func:`load_training_state` keep everything a
+resumed run needs in one atomic file (model, optimizer, GradScaler, step and
+the random-number generators' states) and check, on loading, that the file is
+one of theirs and has every part the caller asks for. A save killed mid-write
+leaves a hidden temporary beside the checkpoint; :func:`stale_temporaries`
+finds them and :func:`remove_stale_temporaries` cleans them up.
 """
 
 from __future__ import annotations
@@ -14,12 +21,25 @@ from __future__ import annotations
 import os
 import pickle
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["CheckpointError", "atomic_save", "safe_load"]
+__all__ = [
+    "CheckpointError",
+    "atomic_save",
+    "safe_load",
+    "TrainingState",
+    "save_training_state",
+    "load_training_state",
+    "stale_temporaries",
+    "remove_stale_temporaries",
+]
+
+TRAINING_STATE_FORMAT = "pytorch-optimization-track/training-state"
+TRAINING_STATE_VERSION = 1
 
 
 class CheckpointError(ValueError):
@@ -104,3 +124,173 @@ def safe_load(path: str | os.PathLike, *, map_location: Any = "cpu", mmap: bool 
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"{p} is not a complete torch checkpoint: truncated by a save "
                               f"that did not finish, or another format ({first})") from None
+
+
+def _tmp_prefix(target: Path) -> str:
+    return f".{target.name}."
+
+
+def stale_temporaries(path: str | os.PathLike) -> list[Path]:
+    """Temporaries that :func:`atomic_save` left beside ``path`` when a save was
+    killed before its rename (``.<name>.<random>.tmp``), oldest first."""
+    target = Path(path)
+    if not target.parent.is_dir():
+        return []
+    found = [p for p in target.parent.iterdir()
+             if p.name.startswith(_tmp_prefix(target)) and p.name.endswith(".tmp") and p.is_file()]
+    return sorted(found, key=lambda p: p.stat().st_mtime)
+
+
+def remove_stale_temporaries(path: str | os.PathLike) -> int:
+    """Delete the temporaries of killed saves of ``path``; returns the bytes freed.
+
+    Call it when no save of ``path`` is running (at the start of a job): a
+    temporary belongs to a save in progress until its rename.
+    """
+    freed = 0
+    for p in stale_temporaries(path):
+        try:
+            size = p.stat().st_size
+            p.unlink()
+            freed += size
+        except FileNotFoundError:
+            pass
+    return freed
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """What :func:`load_training_state` restored: the step to resume from,
+    the caller's extra data, and which parts were restored."""
+
+    step: int
+    extra: dict[str, Any] = field(default_factory=dict)
+    restored: tuple[str, ...] = ()
+    path: str = ""
+
+
+def _rng_states() -> dict[str, Any]:
+    states: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def save_training_state(path: str | os.PathLike, *, model: torch.nn.Module,
+                        optimizer: torch.optim.Optimizer | None = None,
+                        scaler: Any = None, step: int, extra: dict[str, Any] | None = None,
+                        rng: bool = True, fsync: bool = True) -> Path:
+    """Save a resumable training state atomically (see :func:`atomic_save`).
+
+    One file holds the model's and optimizer's ``state_dict``, the GradScaler's
+    (its scale and growth tracker: without them a resumed fp16 run starts
+    again from the initial scale), the step counter, the CPU and CUDA random
+    generators' states, and ``extra`` (plain data: numbers, strings, lists,
+    dicts, tensors). Everything in it loads with ``weights_only=True``.
+
+    Args:
+        path: the checkpoint file.
+        model: the model (``model.state_dict()`` is saved).
+        optimizer: its optimizer, if any.
+        scaler: a ``torch.amp.GradScaler``, if the run uses one.
+        step: the number of optimizer steps taken so far (>= 0).
+        extra: anything else the run needs to resume (data-loader position...).
+        rng: also save the random generators' states.
+        fsync: flush to disk before returning.
+
+    Raises:
+        ValueError: a negative or non-integer step.
+        TypeError: ``model`` is not a module, or ``extra`` is not a dict.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"extra must be a dict, got {type(extra).__name__}")
+    state: dict[str, Any] = {
+        "format": TRAINING_STATE_FORMAT,
+        "version": TRAINING_STATE_VERSION,
+        "step": step,
+        "model": model.state_dict(),
+        "extra": dict(extra or {}),
+    }
+    if optimizer is not None:
+        state["optimizer"] = optimizer.state_dict()
+    if scaler is not None:
+        state["scaler"] = scaler.state_dict()
+    if rng:
+        state["rng"] = _rng_states()
+    return atomic_save(state, path, fsync=fsync)
+
+
+def load_training_state(path: str | os.PathLike, *, model: torch.nn.Module,
+                        optimizer: torch.optim.Optimizer | None = None, scaler: Any = None,
+                        map_location: Any = "cpu", restore_rng: bool = True,
+                        strict: bool = True, assign: bool = False,
+                        mmap: bool = False) -> TrainingState:
+    """Restore a state written by :func:`save_training_state` into live objects.
+
+    The file is loaded with ``weights_only=True`` (:func:`safe_load`). Each
+    object you pass is restored from its part of the file; a part you ask for
+    that the file lacks is an error, not a silent fresh start.
+
+    Args:
+        path: the checkpoint file.
+        model: restored with ``load_state_dict(..., strict=strict, assign=assign)``
+            (``assign=True`` for a model built on the meta device).
+        optimizer: restored if given (the file must hold optimizer state).
+        scaler: a GradScaler, restored if given (the file must hold its state).
+        map_location: where tensors are loaded (then copied into the model's
+            own tensors, unless ``assign``).
+        restore_rng: set the random generators back to the saved states.
+        strict: passed to ``model.load_state_dict``.
+        assign: passed to ``model.load_state_dict``.
+        mmap: map the file's tensors instead of reading them into memory.
+
+    Raises:
+        FileNotFoundError: no such file.
+        CheckpointError: the file is truncated, unsafe or foreign, misses a
+            part that was asked for, or does not fit the model.
+    """
+    p = Path(path)
+    state = safe_load(p, map_location=map_location, mmap=mmap)
+    if not isinstance(state, dict) or state.get("format") != TRAINING_STATE_FORMAT:
+        keys = sorted(map(str, state))[:8] if isinstance(state, dict) else type(state).__name__
+        raise CheckpointError(
+            f"{p} is a torch file but not a training state written by save_training_state "
+            f"(found {keys}); for a bare state_dict use model.load_state_dict(safe_load(path))")
+    if state.get("version") != TRAINING_STATE_VERSION:
+        raise CheckpointError(f"{p} has training-state version {state.get('version')!r}; this "
+                              f"code reads version {TRAINING_STATE_VERSION}")
+    wanted = {"optimizer": optimizer, "scaler": scaler}
+    missing = [name for name, obj in wanted.items() if obj is not None and name not in state]
+    if missing:
+        raise CheckpointError(f"{p} has no {' or '.join(missing)} state, but one was passed to "
+                              "restore: it was saved without it; resuming would silently start "
+                              f"{' and '.join(missing)} from scratch")
+    restored = []
+    try:
+        model.load_state_dict(state["model"], strict=strict, assign=assign)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise CheckpointError(f"{p} does not fit this model: {first}") from None
+    restored.append("model")
+    if optimizer is not None:
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise CheckpointError(f"{p}: the optimizer state does not fit this optimizer "
+                                  f"({str(exc).strip().splitlines()[0]})") from None
+        restored.append("optimizer")
+    if scaler is not None:
+        scaler.load_state_dict(state["scaler"])
+        restored.append("scaler")
+    if restore_rng and "rng" in state:
+        torch.set_rng_state(state["rng"]["cpu"].cpu())
+        cuda_states = state["rng"].get("cuda")
+        if cuda_states is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([s.cpu() for s in cuda_states])
+        restored.append("rng")
+    return TrainingState(step=int(state["step"]), extra=dict(state.get("extra", {})),
+                         restored=tuple(restored), path=str(p))
