@@ -1,0 +1,233 @@
+"""A fused residual add + RMSNorm, written as one Triton kernel.
+
+Transformer blocks in the Llama family end each sub-layer with
+``h = x + residual`` followed by ``y = RMSNorm(h) * weight``; the next
+sub-layer needs both ``h`` (the new residual stream) and ``y`` (its input).
+Written in eager PyTorch that is a chain of small kernels, each reading and
+writing the whole activation. The kernel below does it in one pass per row:
+it reads ``x``, ``residual`` and ``weight`` once and writes ``h`` and ``y``
+once, keeping the row in registers in between.
+
+Notebook ``04_writing_a_triton_kernel`` imports this module on a GPU, and the
+script ``triton_interpreter_check.py`` imports it under Triton's interpreter
+(``TRITON_INTERPRET=1``) to check it on a CPU. A torch build without Triton
+(most CPU-only installs) can still import this module: :data:`HAVE_TRITON`
+is then ``False`` and :func:`add_rmsnorm` says why it cannot run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only torch wheels ship without Triton
+    triton = None
+    tl = None
+
+HAVE_TRITON = triton is not None
+#: Longest row that one program keeps in registers in a single pass; longer rows are
+#: processed in blocks, in two passes (one for the sum of squares, one to normalise).
+MAX_SINGLE_PASS_BLOCK = 8192
+#: Block width of the two-pass path.
+LOOP_BLOCK = 4096
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+__all__ = ["HAVE_TRITON", "LaunchConfig", "launch_config", "reference_add_rmsnorm",
+           "add_rmsnorm", "interpreter_active"]
+
+
+def reference_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                          eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eager PyTorch version, as a model's code writes it.
+
+    The sum is rounded to the input dtype (it is the new residual stream), and
+    the normalisation runs in float32, as RMSNorm implementations in
+    low-precision models do.
+
+    Returns:
+        ``(h, y)``: ``h = x + residual`` and ``y = RMSNorm(h) * weight``, both in
+        ``x.dtype``.
+    """
+    h = x + residual
+    hf = h.float()
+    y = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return h, y.to(x.dtype)
+
+
+def interpreter_active() -> bool:
+    """Whether Triton kernels defined in this process run in the interpreter (on CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How one row is processed: block width, warps per program, one pass or two."""
+
+    block: int
+    num_warps: int
+    single_pass: bool
+
+
+def launch_config(n_cols: int, block_size: int | None = None,
+                  num_warps: int | None = None) -> LaunchConfig:
+    """Choose the block width and warps for rows of ``n_cols`` elements.
+
+    By default a row up to :data:`MAX_SINGLE_PASS_BLOCK` elements fits one block
+    (the next power of two: ``tl.arange`` needs one) and is processed in one
+    pass; longer rows use blocks of :data:`LOOP_BLOCK` in two passes. More
+    elements per program want more warps, so that each thread holds a few.
+
+    Args:
+        n_cols: elements per row (>= 1).
+        block_size: force a block width (a power of two >= 16); rows longer than it
+            take the two-pass path.
+        num_warps: force the warps per program (1, 2, 4, 8, 16 or 32).
+
+    Raises:
+        ValueError: a size out of range or not a power of two.
+    """
+    if not isinstance(n_cols, int) or n_cols < 1:
+        raise ValueError(f"n_cols must be a positive int, got {n_cols!r}")
+    if block_size is None:
+        block = _next_power_of_2(n_cols)
+        single = block <= MAX_SINGLE_PASS_BLOCK
+        block = block if single else LOOP_BLOCK
+    else:
+        if not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 16, got {block_size!r}")
+        block, single = block_size, block_size >= n_cols
+    if num_warps is None:
+        num_warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
+    elif num_warps not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"num_warps must be a power of two from 1 to 32, got {num_warps!r}")
+    return LaunchConfig(block=max(block, 16), num_warps=num_warps, single_pass=single)
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, h_ptr, y_ptr, n_cols,
+                            stride_x, stride_r, stride_h, stride_y, eps,
+                            BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr):
+        # One program per row. int64 row offsets: rows x stride can pass 2^31 elements.
+        row = tl.program_id(0).to(tl.int64)
+        x_row = x_ptr + row * stride_x
+        r_row = r_ptr + row * stride_r
+        h_row = h_ptr + row * stride_h
+        y_row = y_ptr + row * stride_y
+        if SINGLE_PASS:
+            # The whole row in one block; the mask switches off the lanes past its end,
+            # and `other=0.0` makes them add nothing to the sum of squares.
+            cols = tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            r = tl.load(r_row + cols, mask=mask, other=0.0).to(tl.float32)
+            h = (x + r).to(h_ptr.dtype.element_ty)   # rounded like eager's `x + residual`
+            tl.store(h_row + cols, h, mask=mask)
+            hf = h.to(tl.float32)
+            # Divide by the row's length, not by BLOCK: the padding lanes are not data.
+            inv_rms = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / n_cols + eps)
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(y_row + cols, (hf * inv_rms * w).to(y_ptr.dtype.element_ty), mask=mask)
+        else:
+            # Pass 1: h, stored as we go, and the sum of its squares.
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < n_cols
+                x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+                r = tl.load(r_row + cols, mask=mask, other=0.0).to(tl.float32)
+                h = (x + r).to(h_ptr.dtype.element_ty)
+                tl.store(h_row + cols, h, mask=mask)
+                hf = h.to(tl.float32)
+                acc += hf * hf
+            inv_rms = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / n_cols + eps)
+            # Pass 2: normalise. h is recomputed from x and r rather than read back from
+            # the h just stored, so no load depends on a store of this same program.
+            for start in range(0, n_cols, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < n_cols
+                x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+                r = tl.load(r_row + cols, mask=mask, other=0.0).to(tl.float32)
+                hf = (x + r).to(h_ptr.dtype.element_ty).to(tl.float32)
+                w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                tl.store(y_row + cols, (hf * inv_rms * w).to(y_ptr.dtype.element_ty),
+                         mask=mask)
+
+
+def _check_inputs(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
+    for name, t in (("x", x), ("residual", residual), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    if x.shape != residual.shape:
+        raise ValueError(f"x and residual must have one shape, got {tuple(x.shape)} and "
+                         f"{tuple(residual.shape)}")
+    if x.dim() < 1 or x.numel() == 0:
+        raise ValueError(f"x must have at least one element and one dimension, got shape "
+                         f"{tuple(x.shape)}")
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"weight must have shape ({x.shape[-1]},) (the last dim of x), got "
+                         f"{tuple(weight.shape)}")
+    if x.dtype not in SUPPORTED_DTYPES or residual.dtype != x.dtype:
+        raise ValueError(f"x and residual must share a dtype among {SUPPORTED_DTYPES}, got "
+                         f"{x.dtype} and {residual.dtype}")
+    if not (x.device == residual.device == weight.device):
+        raise ValueError(f"all tensors must be on one device, got {x.device}, {residual.device}"
+                         f" and {weight.device}")
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                eps: float = 1e-6, *, block_size: int | None = None,
+                num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = x + residual`` and ``y = RMSNorm(h) * weight`` in one Triton kernel.
+
+    Computes what :func:`reference_add_rmsnorm` computes, over the last
+    dimension, for any leading shape.
+
+    Args:
+        x, residual: tensors of one shape and dtype (float32, float16, bfloat16).
+        weight: the RMSNorm scale, shape ``(x.shape[-1],)``.
+        eps: added to the mean square before the square root.
+        block_size, num_warps: override :func:`launch_config`'s choice.
+
+    Returns:
+        ``(h, y)`` shaped like ``x``.
+
+    Raises:
+        RuntimeError: Triton is not installed, or the tensors are on a CPU while
+            the interpreter is off (Triton kernels run on GPUs; on a CPU only under
+            ``TRITON_INTERPRET=1``, set before Triton is imported).
+        TypeError / ValueError: inputs that do not fit (shapes, dtypes, devices).
+    """
+    if not HAVE_TRITON:
+        raise RuntimeError("Triton is not installed in this environment (CPU-only torch builds "
+                           "do not bring it); install a CUDA build of torch, or `pip install "
+                           "triton`, to run this kernel")
+    _check_inputs(x, residual, weight)
+    if x.device.type == "cpu" and not interpreter_active():
+        raise RuntimeError("these tensors are on the CPU, where a Triton kernel runs only in the "
+                           "interpreter: set TRITON_INTERPRET=1 before Triton is imported (as "
+                           "triton_interpreter_check.py does), or move the tensors to a GPU")
+    n_cols = x.shape[-1]
+    cfg = launch_config(n_cols, block_size, num_warps)
+    x2 = x.reshape(-1, n_cols)
+    r2 = residual.reshape(-1, n_cols)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
+    w = weight.contiguous()
+    h = torch.empty_like(x2, memory_format=torch.contiguous_format)
+    y = torch.empty_like(x2, memory_format=torch.contiguous_format)
+    n_rows = x2.shape[0]
+    _add_rmsnorm_kernel[(n_rows,)](
+        x2, r2, w, h, y, n_cols, x2.stride(0), r2.stride(0), h.stride(0), y.stride(0), eps,
+        BLOCK=cfg.block, SINGLE_PASS=cfg.single_pass, num_warps=cfg.num_warps)
+    return h.view(x.shape), y.view(x.shape)

@@ -1,0 +1,163 @@
+"""Check the fused add + RMSNorm Triton kernel on a CPU, under Triton's interpreter.
+
+Triton compiles kernels for GPUs. With ``TRITON_INTERPRET=1`` set before
+Triton is imported, ``@triton.jit`` functions instead run in Python with NumPy,
+on CPU tensors: slowly, but with the same indexing, masking and arithmetic, so
+a kernel's correctness can be tested on a machine without a GPU (CI does).
+This script sets the variable first, in its own process, then imports
+``add_rmsnorm_triton`` from its folder and compares the kernel with the eager
+PyTorch version on row lengths that are *not* multiples of the block width.
+
+It also runs a deliberately broken copy of the kernel (it divides the sum of
+squares by the block width instead of the row length, so its padding lanes
+count as data) to show that only awkward sizes catch that bug.
+
+Notebook ``04_writing_a_triton_kernel`` runs it with ``subprocess``; the test
+suite runs it too. Output: one JSON object on the last line of stdout (also
+written to ``--out``); exit status 0 when every case matches, 1 when one does
+not, 0 with ``"skipped"`` set when Triton is not installed.
+
+Example::
+
+    python triton_interpreter_check.py --out check.json
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before anything imports Triton (torch may)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import add_rmsnorm_triton as fused  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# (shape, dtype, forced block width or None). Row lengths are prime, one past a power of two,
+# or not a multiple of the forced block, so the masked tail of a block is always exercised;
+# forcing a small block sends rows down the two-pass path.
+DEFAULT_CASES = [
+    ((1, 1), "float32", None),
+    ((3, 1000), "float32", None),
+    ((7, 4097), "float32", None),
+    ((5, 1000), "float32", 256),
+    ((2, 3, 777), "float32", None),
+    ((4, 513), "float16", None),
+    ((4, 513), "bfloat16", None),
+    ((3, 1031), "bfloat16", 128),
+]
+EPS = 1e-6
+TOLERANCE = {  # (rtol, atol) for y: the sum of squares is added up in another order
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (1e-3, 1e-3),
+    torch.bfloat16: (1.6e-2, 1e-2),
+}
+# h = x + r is one rounding of an exact float32 sum, so it must match eager bit for bit,
+# except in one place: the interpreter (Triton 3.x) converts float32 to bfloat16 by cutting
+# the extra bits off (rounding toward zero) where a GPU rounds to nearest even, so there
+# an h may be one bfloat16 step (at most 2^-7 relative) closer to zero. We allow that, and
+# report how many elements it touched.
+H_TOLERANCE = {torch.float32: (0.0, 0.0), torch.float16: (0.0, 0.0),
+               torch.bfloat16: (2.0**-7, 0.0)}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None, help="also write the JSON result to this file")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="the first three cases only")
+    return p.parse_args(argv)
+
+
+def run_case(shape: tuple[int, ...], dtype_name: str, block: int | None,
+             gen: torch.Generator) -> dict:
+    dtype = DTYPES[dtype_name]
+    n = shape[-1]
+    x = torch.randn(shape, generator=gen).to(dtype)
+    r = torch.randn(shape, generator=gen).to(dtype)
+    w = (1 + 0.1 * torch.randn(n, generator=gen)).to(dtype)
+    cfg = fused.launch_config(n, block)
+    t0 = time.perf_counter()
+    h, y = fused.add_rmsnorm(x, r, w, EPS, block_size=block)
+    seconds = time.perf_counter() - t0
+    h_ref, y_ref = fused.reference_add_rmsnorm(x, r, w, EPS)
+    rtol, atol = TOLERANCE[dtype]
+    errors = []
+    h_rtol, h_atol = H_TOLERANCE[dtype]
+    try:
+        torch.testing.assert_close(h, h_ref, rtol=h_rtol, atol=h_atol)
+    except AssertionError as exc:
+        errors.append("h: " + str(exc).splitlines()[0])
+    try:
+        torch.testing.assert_close(y, y_ref, rtol=rtol, atol=atol)
+    except AssertionError as exc:
+        errors.append("y: " + str(exc).splitlines()[0])
+    return {"shape": list(shape), "dtype": dtype_name, "block": cfg.block,
+            "single_pass": cfg.single_pass, "forced_block": block is not None,
+            "max_abs_err_y": (y.float() - y_ref.float()).abs().max().item(),
+            "h_elements_not_bit_equal": int((h != h_ref).sum().item()),
+            "seconds": seconds, "ok": not errors, "errors": errors}
+
+
+def broken_kernel_check(gen: torch.Generator) -> dict:
+    """A copy of the single-pass kernel that divides by BLOCK instead of n_cols."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def divides_by_block(x_ptr, r_ptr, w_ptr, y_ptr, n_cols, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        h = x + r
+        inv_rms = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / BLOCK + eps)  # the bug
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * n_cols + cols, h * inv_rms * w, mask=mask)
+
+    result = {}
+    for label, n in (("power of two", 1024), ("awkward", 1000)):
+        x = torch.randn(3, n, generator=gen)
+        r = torch.randn(3, n, generator=gen)
+        w = torch.ones(n)
+        y = torch.empty_like(x)
+        divides_by_block[(3,)](x, r, w, y, n, EPS, BLOCK=fused.launch_config(n).block)
+        _, y_ref = fused.reference_add_rmsnorm(x, r, w, EPS)
+        caught = not torch.allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+        result[label] = {"n_cols": n, "caught": caught,
+                         "max_abs_err": (y - y_ref).abs().max().item()}
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out: dict = {"interpreter": fused.interpreter_active(), "torch": torch.__version__}
+    if not fused.HAVE_TRITON:
+        out.update(skipped="Triton is not installed (CPU-only torch builds do not bring it)",
+                   ok=True, cases=[])
+    else:
+        import triton
+
+        out["triton"] = triton.__version__
+        gen = torch.Generator().manual_seed(args.seed)
+        cases = DEFAULT_CASES[:3] if args.quick else DEFAULT_CASES
+        out["cases"] = [run_case(tuple(s), d, b, gen) for s, d, b in cases]
+        out["broken_kernel"] = broken_kernel_check(gen)
+        out["ok"] = all(c["ok"] for c in out["cases"])
+    text = json.dumps(out)
+    if args.out:
+        Path(args.out).write_text(text, encoding="utf-8")
+    print(text)
+    return 0 if out["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""03-fused-operations: the Triton add + RMSNorm kernel and its interpreter check script."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO
+
+MODULE_DIR = REPO / "03-fused-operations"
+CHECK_SCRIPT = MODULE_DIR / "triton_interpreter_check.py"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, MODULE_DIR / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(mod)
+    return mod
+
+
+fused = _load("add_rmsnorm_triton")
+
+
+def test_launch_config_single_pass_up_to_the_limit():
+    assert fused.launch_config(1000) == fused.LaunchConfig(1024, 4, True)
+    assert fused.launch_config(1) == fused.LaunchConfig(16, 4, True)
+    assert fused.launch_config(4097).block == 8192 and fused.launch_config(4097).single_pass
+    big = fused.launch_config(fused.MAX_SINGLE_PASS_BLOCK + 1)
+    assert not big.single_pass and big.block == fused.LOOP_BLOCK
+    forced = fused.launch_config(1000, block_size=256)
+    assert forced.block == 256 and not forced.single_pass
+    assert fused.launch_config(200, block_size=256).single_pass
+    assert fused.launch_config(1000, num_warps=2).num_warps == 2
+
+
+@pytest.mark.parametrize("kwargs", [dict(n_cols=0), dict(n_cols=10, block_size=100),
+                                    dict(n_cols=10, block_size=8),
+                                    dict(n_cols=10, num_warps=3)])
+def test_launch_config_rejects_bad_sizes(kwargs):
+    with pytest.raises(ValueError):
+        fused.launch_config(**kwargs)
+
+
+def test_reference_is_rmsnorm_of_the_sum():
+    g = torch.Generator().manual_seed(0)
+    x, r = torch.randn(4, 33, generator=g), torch.randn(4, 33, generator=g)
+    w = torch.randn(33, generator=g)
+    h, y = fused.reference_add_rmsnorm(x, r, w, eps=1e-6)
+    torch.testing.assert_close(h, x + r)
+    s = x + r
+    expected = s / torch.sqrt((s * s).mean(-1, keepdim=True) + 1e-6) * w
+    torch.testing.assert_close(y, expected)
+    hb, yb = fused.reference_add_rmsnorm(x.bfloat16(), r.bfloat16(), w.bfloat16())
+    assert hb.dtype == yb.dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not fused.HAVE_TRITON, reason="Triton is not installed")
+def test_kernel_wrapper_explains_what_it_cannot_do():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="shape"):
+        fused.add_rmsnorm(x, torch.randn(2, 9), torch.randn(8))
+    with pytest.raises(ValueError, match="weight"):
+        fused.add_rmsnorm(x, x, torch.randn(9))
+    with pytest.raises(ValueError, match="dtype"):
+        fused.add_rmsnorm(x, x.double(), torch.randn(8))
+    if not fused.interpreter_active() and not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+            fused.add_rmsnorm(x, x, torch.randn(8))
+
+
+@pytest.fixture(scope="module")
+def interpreter_result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("triton") / "check.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(CHECK_SCRIPT), "--out", str(out)], env=env,
+                       cwd=MODULE_DIR, capture_output=True, text=True, timeout=600)
+    assert out.is_file(), f"no result written; exit {r.returncode}\n{r.stderr[-3000:]}"
+    return r.returncode, json.loads(out.read_text())
+
+
+def test_interpreter_check_passes_on_awkward_sizes(interpreter_result):
+    code, result = interpreter_result
+    if result.get("skipped"):
+        pytest.skip(result["skipped"])
+    assert result["interpreter"] is True
+    failed = [c for c in result["cases"] if not c["ok"]]
+    assert code == 0 and result["ok"] and not failed, failed
+    # the cases exercise both paths and row lengths that are no multiple of the block
+    assert {c["single_pass"] for c in result["cases"]} == {True, False}
+    assert all(c["shape"][-1] % c["block"] or c["shape"][-1] < c["block"]
+               for c in result["cases"])
+    assert {c["dtype"] for c in result["cases"]} == {"float32", "float16", "bfloat16"}
+
+
+def test_broken_kernel_is_caught_only_by_awkward_sizes(interpreter_result):
+    _, result = interpreter_result
+    if result.get("skipped"):
+        pytest.skip(result["skipped"])
+    broken = result["broken_kernel"]
+    assert broken["awkward"]["caught"] is True
+    assert broken["power of two"]["caught"] is False
