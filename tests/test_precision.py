@@ -38,3 +38,33 @@ def test_uses_the_new_api_where_torch_has_it():
 def test_bad_settings_are_type_errors():
     with pytest.raises(TypeError, match="matmul must be True or False"):
         utils.set_tf32("yes")
+
+
+def test_fp32_matmul_precision_sets_every_backend_and_restores():
+    before = utils.fp32_matmul_precision_state()
+    with utils.fp32_matmul_precision("bf16") as inside:
+        if "cuda" in inside:  # the per-backend API (torch 2.9+)
+            assert inside["cuda"] == "tf32"  # CUDA has no bf16 mode for fp32 matmuls
+            assert inside.get("mkldnn", "bf16") == "bf16"
+        else:
+            assert inside == {"global": "medium"}
+    assert utils.fp32_matmul_precision_state() == before
+    with utils.fp32_matmul_precision("ieee") as inside:
+        assert inside.get("cuda", "ieee") == "ieee" or inside == {"global": "highest"}
+        x = torch.randn(16, 16)
+        torch.testing.assert_close(x @ torch.eye(16), x, rtol=0, atol=0)
+    assert utils.fp32_matmul_precision_state() == before
+
+
+def test_fp32_matmul_precision_never_mixes_apis():
+    # torch.get_float32_matmul_precision() raises on current torch once the old and new
+    # APIs have been mixed: after our blocks it must still answer.
+    with utils.fp32_matmul_precision("tf32"), utils.tf32(False):
+        pass
+    assert torch.get_float32_matmul_precision() == "highest"
+
+
+def test_fp32_matmul_precision_rejects_unknown_settings():
+    with pytest.raises(ValueError, match="setting must be one of"):
+        with utils.fp32_matmul_precision("high"):
+            pass

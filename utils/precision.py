@@ -11,6 +11,12 @@ torch 2.11 and anything newer), the old one on older torch.
 
 TF32 changes only fp32 matmuls and convolutions on NVIDIA GPUs from Ampere (sm80)
 on; elsewhere the settings are recorded but change no result.
+
+:func:`fp32_matmul_precision` sets what fp32 *matmuls* may use on every backend at
+once, with the same per-backend API: ``"ieee"`` (full fp32), ``"tf32"`` or ``"bf16"``
+(oneDNN on a CPU may then compute fp32 matmuls with bf16 inside; CUDA has no
+such mode and uses TF32). On torch before 2.9 it falls back to the global
+``torch.set_float32_matmul_precision`` ("highest", "high", "medium").
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["TF32State", "tf32_state", "set_tf32", "tf32"]
+__all__ = ["TF32State", "tf32_state", "set_tf32", "tf32", "fp32_matmul_precision",
+           "fp32_matmul_precision_state"]
 
 
 def _new_api() -> bool:
@@ -127,3 +134,73 @@ def tf32(matmul: bool = True, conv: bool | None = None) -> Iterator[TF32State]:
         yield tf32_state()
     finally:
         _restore(raw)
+
+
+_LEGACY_SETTING = {"ieee": "highest", "tf32": "high", "bf16": "medium"}
+
+
+def _mkldnn_matmul() -> object | None:
+    mk = getattr(torch.backends, "mkldnn", None)
+    matmul = getattr(mk, "matmul", None)
+    try:
+        matmul.fp32_precision  # noqa: B018 - attribute probe
+    except (AttributeError, RuntimeError):
+        return None
+    return matmul
+
+
+def fp32_matmul_precision_state() -> dict[str, str]:
+    """What fp32 matmuls may use, per backend (``{"cuda": ..., "mkldnn": ...}`` with the
+    current API; ``{"global": ...}`` with ``torch.get_float32_matmul_precision()`` before it)."""
+    if _new_api():
+        state = {"cuda": torch.backends.cuda.matmul.fp32_precision}
+        mk = _mkldnn_matmul()
+        if mk is not None:
+            state["mkldnn"] = mk.fp32_precision
+        return state
+    return {"global": torch.get_float32_matmul_precision()}
+
+
+@contextlib.contextmanager
+def fp32_matmul_precision(setting: str) -> Iterator[dict[str, str]]:
+    """Run a block with fp32 matmuls allowed to use ``setting`` internally, then restore.
+
+    Args:
+        setting: ``"ieee"`` (full fp32, PyTorch's default), ``"tf32"`` (TF32 tensor
+            cores on CUDA sm80+; oneDNN's TF32 where a CPU has it) or ``"bf16"``
+            (oneDNN may use bf16 inside fp32 matmuls on a CPU; CUDA uses TF32).
+
+    Yields:
+        The per-backend state inside the block (:func:`fp32_matmul_precision_state`).
+
+    Raises:
+        ValueError: an unknown setting.
+
+    Example::
+
+        with utils.fp32_matmul_precision("tf32"):
+            y = a @ b          # TF32 on an sm80+ GPU
+    """
+    if setting not in _LEGACY_SETTING:
+        raise ValueError(f"setting must be one of {sorted(_LEGACY_SETTING)}, got {setting!r}")
+    if not _new_api():
+        old = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision(_LEGACY_SETTING[setting])
+        try:
+            yield fp32_matmul_precision_state()
+        finally:
+            torch.set_float32_matmul_precision(old)
+        return
+    cuda = torch.backends.cuda.matmul
+    mk = _mkldnn_matmul()
+    old_cuda = cuda.fp32_precision
+    old_mk = mk.fp32_precision if mk is not None else None
+    cuda.fp32_precision = "ieee" if setting == "ieee" else "tf32"
+    if mk is not None:
+        mk.fp32_precision = setting
+    try:
+        yield fp32_matmul_precision_state()
+    finally:
+        cuda.fp32_precision = old_cuda
+        if mk is not None:
+            mk.fp32_precision = old_mk

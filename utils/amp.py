@@ -1,0 +1,501 @@
+"""Tools the mixed-precision notebooks (module 02) share.
+
+Each of these was written more than once in the notebooks before it moved here:
+
+- :func:`dtype_name` and :func:`rel_error`: short dtype names for tables, and the
+  relative (Frobenius-norm) error every correctness check prints.
+- :func:`cpu_precision_support`: which low-precision instructions this CPU has
+  (read from ``/proc/cpuinfo``), the reason a bf16 or fp16 matmul is fast or slow here.
+- :class:`AtenOpCounter` / :func:`count_aten_ops`: the aten ops a call runs, by op and
+  output dtype, seen from below autocast (so the casts it inserts are counted), and
+  the host synchronisations (``.item()``, ``bool(tensor)``) among them.
+- :func:`fp8_matmul`: a per-tensor-scaled fp8 matmul through the public
+  ``torch.nn.functional.scaled_mm`` where the installed torch has it (2.10 and newer),
+  else through the private ``torch._scaled_mm``.
+- :func:`loss_gap`: how far a low-precision run's final loss ends from its fp32 twin's,
+  as a share of the loss drop fp32 achieved.
+- :func:`best_of_rounds`: interleaved timing rounds, keeping each variant's fastest.
+- :func:`time_breakdown`: where a step's op time goes (matmuls, attention, casts,
+  optimizer, the rest), measured with ``torch.profiler``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Hashable, Iterable, Mapping, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .env import pick_device, synchronize
+from .timing import Timing, benchmark
+
+__all__ = [
+    "dtype_name",
+    "rel_error",
+    "CPUPrecisionSupport",
+    "cpu_precision_support",
+    "AtenOpCounter",
+    "count_aten_ops",
+    "HOST_SYNC_OPS",
+    "fp8_matmul_api",
+    "fp8_matmul",
+    "LossGap",
+    "loss_gap",
+    "TimingJob",
+    "best_of_rounds",
+    "TimeBreakdown",
+    "time_breakdown",
+    "OP_CATEGORIES",
+]
+
+_SHORT = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16",
+          torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8 e4m3", torch.float8_e5m2: "fp8 e5m2"}
+
+
+def dtype_name(dtype: torch.dtype | None) -> str:
+    """``'bf16'``, ``'fp16'``, ``'fp32'``, ... for a dtype; ``'-'`` for ``None``.
+
+    Raises:
+        TypeError: ``dtype`` is not a ``torch.dtype``.
+    """
+    if dtype is None:
+        return "-"
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"expected a torch.dtype, got {type(dtype).__name__} ({dtype!r})")
+    return _SHORT.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``||actual - expected|| / ||expected||`` (Frobenius norms), computed in fp64.
+
+    A norm over the whole tensor, because single elements near zero have
+    meaningless relative errors.
+
+    Raises:
+        ValueError: the shapes differ, or ``expected`` is all zeros.
+    """
+    if actual.shape != expected.shape:
+        raise ValueError(f"shapes differ: {tuple(actual.shape)} vs {tuple(expected.shape)}")
+    a = actual.detach().double()
+    ref = expected.detach().to(a.device).double()
+    denom = ref.norm().item()
+    if denom == 0.0:
+        raise ValueError("the reference is all zeros: a relative error is undefined")
+    return (a - ref).norm().item() / denom
+
+
+@dataclass(frozen=True)
+class CPUPrecisionSupport:
+    """The low-precision arithmetic this CPU has, as the OS reports it."""
+
+    capability: str       # torch.backends.cpu.get_cpu_capability(), e.g. "AVX2", "AVX512"
+    flags_readable: bool  # False where /proc/cpuinfo does not exist (macOS, Windows)
+    avx512_bf16: bool
+    amx_bf16: bool
+    avx512_fp16: bool
+    amx_fp16: bool
+
+    @property
+    def bf16_native(self) -> bool:
+        """bf16 dot products in hardware (AVX512-BF16 or AMX-BF16)."""
+        return self.avx512_bf16 or self.amx_bf16
+
+    @property
+    def fp16_native(self) -> bool:
+        """fp16 arithmetic in hardware (AVX512-FP16 or AMX-FP16)."""
+        return self.avx512_fp16 or self.amx_fp16
+
+    def __str__(self) -> str:
+        if not self.flags_readable:
+            return (f"CPU vector capability used by PyTorch: {self.capability}; "
+                    "CPU flags not readable on this OS")
+        flags = {"avx512_bf16": self.avx512_bf16, "amx_bf16": self.amx_bf16,
+                 "avx512_fp16": self.avx512_fp16, "amx_fp16": self.amx_fp16}
+        have = ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in flags.items())
+        return f"CPU vector capability used by PyTorch: {self.capability}; {have}"
+
+
+def cpu_precision_support(cpuinfo_path: str = "/proc/cpuinfo") -> CPUPrecisionSupport:
+    """Read which bf16/fp16 instructions this CPU reports (Linux ``/proc/cpuinfo`` flags)."""
+    flags: set[str] = set()
+    readable = False
+    with contextlib.suppress(OSError):
+        with open(cpuinfo_path, encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    readable = True
+                    break
+    get_cap = getattr(getattr(torch.backends, "cpu", None), "get_cpu_capability", None)
+    capability = get_cap() if get_cap is not None else "unknown"
+    return CPUPrecisionSupport(capability=capability, flags_readable=readable,
+                               avx512_bf16="avx512_bf16" in flags, amx_bf16="amx_bf16" in flags,
+                               avx512_fp16="avx512_fp16" in flags, amx_fp16="amx_fp16" in flags)
+
+
+# aten ops that copy a tensor's value to the host and so wait for the device:
+# Tensor.item(), bool(t), float(t), int(t), and Python control flow on a tensor.
+HOST_SYNC_OPS = frozenset({"_local_scalar_dense"})
+
+
+class AtenOpCounter(TorchDispatchMode):
+    """Count the aten ops that run, by ``(op name, output dtype name)``.
+
+    A dispatch mode sits below autocast in PyTorch's dispatcher, so it sees ops
+    *after* autocast rewrote them: the casts autocast inserts show up as
+    ``_to_copy``. (``TorchDispatchMode`` lives in ``torch.utils._python_dispatch``, the
+    semi-private module ``FlopCounterMode`` and other torch tools build on.)
+
+    Example::
+
+        with utils.AtenOpCounter() as ops:
+            model(x)
+        ops.total("_to_copy")
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[tuple[str, str]] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        first = out[0] if isinstance(out, (tuple, list)) and out else out
+        dt = dtype_name(first.dtype) if isinstance(first, torch.Tensor) else "-"
+        self.counts[(func.overloadpacket.__name__, dt)] += 1
+        return out
+
+    def total(self, *ops: str) -> int:
+        """How many times any of ``ops`` ran (all dtypes)."""
+        return sum(n for (op, _), n in self.counts.items() if op in ops)
+
+    @property
+    def casts(self) -> int:
+        """Dtype conversions and copies (``_to_copy``)."""
+        return self.total("_to_copy")
+
+    @property
+    def host_syncs(self) -> int:
+        """Reads of a tensor's value by the host (each one waits for a GPU)."""
+        return self.total(*HOST_SYNC_OPS)
+
+
+def count_aten_ops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, AtenOpCounter]:
+    """Run ``fn(*args, **kwargs)`` under an :class:`AtenOpCounter`; return ``(result, counter)``."""
+    if not callable(fn):
+        raise TypeError(f"expected a callable, got {type(fn).__name__}")
+    with AtenOpCounter() as counter:
+        result = fn(*args, **kwargs)
+    return result, counter
+
+
+def fp8_matmul_api() -> str:
+    """The scaled-matmul entry point this torch offers: the public one where it exists."""
+    if hasattr(torch.nn.functional, "scaled_mm") and hasattr(torch.nn.functional, "ScalingType"):
+        return "torch.nn.functional.scaled_mm"
+    if hasattr(torch, "_scaled_mm"):
+        return "torch._scaled_mm"
+    return "none"
+
+
+def fp8_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``(a * scale_a) @ (b * scale_b)`` for fp8 ``a``, ``b`` with one fp32 scale per tensor.
+
+    Uses ``torch.nn.functional.scaled_mm`` (torch 2.10 and newer) with tensor-wise
+    scaling, else the private ``torch._scaled_mm`` (which torch 2.4 and older
+    returned as a tuple with an amax). ``b`` should be column-major
+    (``b.t().contiguous().t()``), as cuBLASLt wants its second fp8 operand.
+
+    Raises:
+        TypeError: an input is not an fp8 tensor or a scale is not a 1-element fp32 tensor.
+        RuntimeError: this torch has no scaled matmul at all.
+    """
+    fp8 = {torch.float8_e4m3fn, torch.float8_e5m2}
+    for name, t in (("a", a), ("b", b)):
+        if t.dtype not in fp8:
+            raise TypeError(f"{name} must be float8_e4m3fn or float8_e5m2, got {t.dtype}")
+    for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if not (isinstance(s, torch.Tensor) and s.dtype == torch.float32 and s.numel() == 1):
+            raise TypeError(f"{name} must be a 1-element float32 tensor, got {s!r:.60}")
+    api = fp8_matmul_api()
+    if api == "torch.nn.functional.scaled_mm":
+        F = torch.nn.functional
+        return F.scaled_mm(a, b, scale_a.reshape(()), F.ScalingType.TensorWise,
+                           scale_b.reshape(()), F.ScalingType.TensorWise, output_dtype=out_dtype)
+    if api == "torch._scaled_mm":
+        out = torch._scaled_mm(a, b, scale_a=scale_a.reshape(()), scale_b=scale_b.reshape(()),
+                               out_dtype=out_dtype)
+        return out[0] if isinstance(out, tuple) else out
+    raise RuntimeError(f"torch {torch.__version__} has no scaled (fp8) matmul")
+
+
+@dataclass(frozen=True)
+class LossGap:
+    """A run's final loss against its reference run's, as a share of the reference's drop.
+
+    ``gap_of_drop`` is ``|final - ref_final| / (ref_first - ref_final)``: 0 when the run
+    ends where the reference ends, 1 when it ends a whole drop away (for example,
+    when it did not learn at all). With ``log=True`` all losses are compared as
+    ``log(loss)``, the scale on which a regression loss that falls by orders of
+    magnitude is judged.
+    """
+
+    final: float
+    ref_first: float
+    ref_final: float
+    last: int
+    log: bool
+
+    @property
+    def ref_drop(self) -> float:
+        return self.ref_first - self.ref_final
+
+    @property
+    def gap_of_drop(self) -> float:
+        return abs(self.final - self.ref_final) / self.ref_drop
+
+
+def _final(values: Sequence[float], last: int, log: bool) -> float:
+    tail = [float(v) for v in values[-last:]]
+    if log:
+        if min(tail) <= 0:
+            raise ValueError("log=True needs positive losses")
+        return sum(math.log(v) for v in tail) / len(tail)
+    return sum(tail) / len(tail)
+
+
+def loss_gap(losses: Sequence[float] | torch.Tensor, ref_losses: Sequence[float] | torch.Tensor,
+             last: int = 5, log: bool = False) -> LossGap:
+    """Compare a training curve's final loss (mean of the last ``last`` steps) with a reference.
+
+    Args:
+        losses: the run under test, one loss per step.
+        ref_losses: the reference run (fp32, same start, same batches).
+        last: how many final steps to average (noise from batch to batch averages out).
+        log: compare ``log(loss)`` (for losses that fall by orders of magnitude).
+
+    Raises:
+        ValueError: too few steps, a non-finite loss, or a reference that did not learn
+            (its final loss is not below its first), which would make any gap meaningless.
+    """
+    losses = [float(v) for v in losses]
+    ref = [float(v) for v in ref_losses]
+    if not isinstance(last, int) or last < 1:
+        raise ValueError(f"last must be a positive int, got {last!r}")
+    if len(ref) <= last or len(losses) < last:
+        raise ValueError(f"need more than last={last} steps (got {len(losses)} and {len(ref)})")
+    if not all(math.isfinite(v) for v in losses + ref):
+        raise ValueError("a loss is not finite: the run diverged")
+    first = math.log(ref[0]) if log else ref[0]
+    gap = LossGap(final=_final(losses, last, log), ref_first=first,
+                  ref_final=_final(ref, last, log), last=last, log=log)
+    if gap.ref_drop <= 0:
+        raise ValueError(f"the reference did not learn (first {ref[0]:.4g}, mean of its last "
+                         f"{last} {math.exp(gap.ref_final) if log else gap.ref_final:.4g}): "
+                         "train longer or with a larger learning rate before comparing")
+    return gap
+
+
+@dataclass(frozen=True)
+class TimingJob:
+    """One variant to time: ``fn(*args, **kwargs)`` under ``context()`` (a fresh one per round)."""
+
+    label: str
+    fn: Callable[..., Any]
+    args: tuple = ()
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    context: Callable[[], ContextManager[Any]] | None = None
+
+
+def best_of_rounds(jobs: Mapping[Hashable, TimingJob], rounds: int = 3,
+                   device: str | torch.device | None = None, min_run_time_s: float = 0.3,
+                   progress: str | None = None) -> dict[Hashable, Timing]:
+    """Time every job with :func:`utils.benchmark` in interleaved rounds; keep each one's fastest.
+
+    Other work on a shared machine only ever slows a measurement down, and
+    interleaving spreads a busy spell over all variants instead of hitting one, so
+    the fastest round of each is the fairest comparison.
+
+    Args:
+        jobs: ``{key: TimingJob}``; the result has the same keys.
+        rounds: how many rounds (>= 1).
+        device: the device the jobs run on (synchronised around every reading).
+        min_run_time_s: per job and round.
+        progress: a ``tqdm`` description, or ``None`` for no progress bar.
+
+    Raises:
+        ValueError: no jobs, or ``rounds`` < 1.
+        TypeError: a job is not a :class:`TimingJob`.
+    """
+    if not jobs:
+        raise ValueError("best_of_rounds needs at least one job")
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be a positive int, got {rounds!r}")
+    for key, job in jobs.items():
+        if not isinstance(job, TimingJob):
+            raise TypeError(f"job {key!r} must be a utils.TimingJob, got {type(job).__name__}")
+    dev = pick_device(device)
+    bar = None
+    if progress is not None:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=rounds * len(jobs), desc=progress)
+    best: dict[Hashable, Timing] = {}
+    try:
+        for _ in range(rounds):
+            for key, job in jobs.items():
+                ctx = job.context() if job.context is not None else contextlib.nullcontext()
+                with ctx:
+                    t = benchmark(job.fn, *job.args, label=job.label, device=dev,
+                                  min_run_time_s=min_run_time_s, warn_if_noisy=False,
+                                  **dict(job.kwargs))
+                if key not in best or t.median_ms < best[key].median_ms:
+                    best[key] = t
+                if bar is not None:
+                    bar.update()
+    finally:
+        if bar is not None:
+            bar.close()
+    return best
+
+
+# aten op names (without the "aten::" prefix) by category, for time_breakdown.
+OP_CATEGORIES: dict[str, tuple[str, ...]] = {
+    "matmul / conv": ("mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "_addmm_activation",
+                      "convolution", "_convolution", "convolution_backward", "cudnn_convolution",
+                      "mkldnn_convolution", "_mkldnn_convolution", "mkldnn_convolution_backward",
+                      "_slow_conv2d_forward", "_slow_conv2d_backward", "_scaled_mm",
+                      "_scaled_mm_v2"),
+    "attention": ("_scaled_dot_product_flash_attention",
+                  "_scaled_dot_product_flash_attention_backward",
+                  "_scaled_dot_product_flash_attention_for_cpu",
+                  "_scaled_dot_product_flash_attention_for_cpu_backward",
+                  "_scaled_dot_product_efficient_attention",
+                  "_scaled_dot_product_efficient_attention_backward",
+                  "_scaled_dot_product_cudnn_attention",
+                  "_scaled_dot_product_cudnn_attention_backward",
+                  "_flash_attention_forward", "_flash_attention_backward",
+                  "_efficient_attention_forward", "_efficient_attention_backward"),
+    "casts and copies": ("_to_copy", "copy_", "to", "clone", "contiguous"),
+    "optimizer": ("_foreach_", "_fused_adam", "_fused_adamw", "_fused_sgd"),
+}
+
+
+@dataclass(frozen=True)
+class TimeBreakdown:
+    """Where a call's op time went: self time of aten ops per category, per call."""
+
+    device: str
+    clock: str                    # "CUDA kernel time" or "CPU op time"
+    ms_by_category: tuple[tuple[str, float], ...]
+    calls: int
+
+    @property
+    def total_ms(self) -> float:
+        return sum(ms for _, ms in self.ms_by_category)
+
+    def ms(self, category: str) -> float:
+        """Milliseconds per call in ``category``.
+
+        Raises:
+            KeyError: no such category.
+        """
+        for name, ms in self.ms_by_category:
+            if name == category:
+                return ms
+        raise KeyError(f"no category {category!r}; have {[n for n, _ in self.ms_by_category]}")
+
+    def share(self, category: str) -> float:
+        """``category``'s fraction of the total."""
+        total = self.total_ms
+        return self.ms(category) / total if total > 0 else 0.0
+
+    def __str__(self) -> str:
+        rows = [f"{name:<18} {ms:>10.3f} ms  {self.share(name):>6.1%}"
+                for name, ms in self.ms_by_category]
+        return "\n".join(rows + [f"{'total (' + self.clock + ')':<18} {self.total_ms:>10.3f} ms"])
+
+
+def _category(op: str, categories: Mapping[str, Iterable[str]]) -> str:
+    for cat, names in categories.items():
+        for n in names:
+            if op == n or (n.endswith("_") and op.startswith(n)):
+                return cat
+    return "other"
+
+
+def _under_optimizer_step(evt: Any) -> bool:
+    """Whether a profiled op ran inside ``optimizer.step()`` (torch labels that range
+    ``Optimizer.step#<class>.step``), whatever ops the optimizer used."""
+    parent = getattr(evt, "cpu_parent", None)
+    while parent is not None:
+        if parent.name.startswith("Optimizer.step"):
+            return True
+        parent = getattr(parent, "cpu_parent", None)
+    return False
+
+
+def time_breakdown(fn: Callable[..., Any], *args: Any, device: str | torch.device | None = None,
+                   calls: int = 3, warmup: int = 1,
+                   categories: Mapping[str, Iterable[str]] | None = None,
+                   **kwargs: Any) -> TimeBreakdown:
+    """Profile ``fn(*args, **kwargs)`` and split its op time into categories.
+
+    On CUDA the time is the GPU time of the kernels each aten op launched (each kernel
+    counted once, with the innermost op that launched it); on a CPU it is the ops'
+    own (self) CPU time. Python overhead between ops is not in either, so on a CPU
+    the total is below the wall time of a call.
+
+    Args:
+        fn: the call to profile (e.g. ``utils.train_step``).
+        device: where it runs.
+        calls: profiled calls (the result is per call).
+        warmup: untimed calls first.
+        categories: ``{category: op names}``; a name ending in ``_`` matches as a
+            prefix (``"_foreach_"``). Default :data:`OP_CATEGORIES`; the rest is ``"other"``.
+            Every op inside ``optimizer.step()`` counts as ``"optimizer"`` when that
+            category exists, whichever ops the optimizer used (foreach, fused or a loop).
+
+    Raises:
+        TypeError: ``fn`` is not callable.
+        ValueError: ``calls`` < 1 or ``warmup`` < 0.
+    """
+    if not callable(fn):
+        raise TypeError(f"expected a callable, got {type(fn).__name__}")
+    if not isinstance(calls, int) or calls < 1:
+        raise ValueError(f"calls must be a positive int, got {calls!r}")
+    if not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be a non-negative int, got {warmup!r}")
+    cats = dict(OP_CATEGORIES if categories is None else categories)
+    dev = pick_device(device)
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn(*args, **kwargs)
+    synchronize(dev)
+    activities = [ProfilerActivity.CPU]
+    cuda = dev.type == "cuda"
+    if cuda:
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn(*args, **kwargs)
+        synchronize(dev)
+    totals = {name: 0.0 for name in [*cats, "other"]}
+    for evt in prof.events():
+        if not evt.name.startswith("aten::"):
+            continue  # kernels, autograd and profiler ranges: their time is in the aten ops
+        if cuda:
+            us = getattr(evt, "self_device_time_total", None)
+            if us is None:  # the spelling before torch 2.4
+                us = getattr(evt, "self_cuda_time_total", 0.0)
+        else:
+            us = evt.self_cpu_time_total
+        cat = ("optimizer" if "optimizer" in totals and _under_optimizer_step(evt)
+               else _category(evt.name[len("aten::"):], cats))
+        totals[cat] += us / 1e3 / calls
+    return TimeBreakdown(device=str(dev), clock="CUDA kernel time" if cuda else "CPU op time",
+                         ms_by_category=tuple(totals.items()), calls=calls)
