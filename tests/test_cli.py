@@ -1,4 +1,4 @@
-"""The command line, end to end: env, run (papermill), report and student."""
+"""The command line, end to end: env, run (papermill), report and release (alias student)."""
 
 import json
 import os
@@ -104,11 +104,20 @@ def test_report_without_results_is_a_clear_error(tmp_path):
     assert r.returncode == 2 and "no ledgers" in r.stderr
 
 
-def test_student_version_strips_solutions_and_keeps_checks(tmp_path):
-    r = cli("student", str(TINY / "01_tiny.ipynb"), "--out", str(tmp_path))
+def test_release_strips_solutions_keeps_checks_and_student_is_its_alias(tmp_path):
+    r = cli("release", str(TINY / "01_tiny.ipynb"), "--out", str(tmp_path / "release"))
     assert r.returncode == 0, r.stderr
-    nb = nbformat.read(tmp_path / "tests/fixtures/tiny_module/01_tiny.ipynb", as_version=4)
+    released = tmp_path / "release/tests/fixtures/tiny_module/01_tiny.ipynb"
+    nb = nbformat.read(released, as_version=4)
     src = "\n".join(c.source for c in nb.cells)
     assert "BEGIN SOLUTION" not in src and "return 2 * x" not in src
     assert 'raise NotImplementedError("Student exercise: Exercise 1: return twice the input")' in src
     assert "assert double(21) == 42" in src
+    assert [c.metadata.get("course") for c in nb.cells if "course" in c.metadata] == [
+        {"id": "exercise-1", "role": "exercise"},
+        {"id": "exercise-1-check", "role": "check", "exercise": "exercise-1"}]
+    # the old name of the command writes the same file
+    r = cli("student", str(TINY / "01_tiny.ipynb"), "--out", str(tmp_path / "student"))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "student/tests/fixtures/tiny_module/01_tiny.ipynb").read_bytes() == \
+        released.read_bytes()

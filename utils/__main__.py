@@ -3,7 +3,8 @@
     python -m utils env                         what this machine is
     python -m utils run PATH... [--smoke|--full] [--out DIR]
     python -m utils report RESULTS... [--out FILE]
-    python -m utils student PATH... --out DIR   student versions for a class
+    python -m utils release [PATH...] [--out DIR]   student versions (alias: student)
+    python -m utils grade SUBMISSION... [--out DIR] [--timeout S] [--jobs N]
 """
 
 from __future__ import annotations
@@ -50,11 +51,28 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_student(args: argparse.Namespace) -> int:
-    from .student import make_student_versions
+def _cmd_release(args: argparse.Namespace) -> int:
+    from .student import release
 
-    for p in make_student_versions(args.paths, args.out):
+    written = release(args.paths, args.out, course_root=args.course)
+    for p in written:
         print(f"wrote {p}")
+    print(f"{len(written)} student notebook(s) in {args.out}")
+    return 0
+
+
+def _cmd_grade(args: argparse.Namespace) -> int:
+    from .grading import grade
+
+    out = Path(args.out)
+    grades = grade(args.paths, out, course_root=args.course, timeout_s=args.timeout,
+                   notebook_timeout_s=args.notebook_timeout, jobs=args.jobs)
+    rows = [r for g in grades for r in g.rows]
+    passed = sum(r.passed for r in rows if r.exercise)
+    print(f"\n{len(grades)} file(s) of {len({g.student for g in grades})} student(s): "
+          f"{passed} of {sum(1 for r in rows if r.exercise)} exercises passed.")
+    print(f"gradebook: {out / 'gradebook.csv'}; per-student reports: {out / 'reports'}; "
+          f"summary: {out / 'summary.md'}")
     return 0
 
 
@@ -89,10 +107,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plots", action="store_true", help="tables only")
     p.set_defaults(func=_cmd_report)
 
-    p = sub.add_parser("student", help="write student versions (solutions replaced by stubs)")
-    p.add_argument("paths", nargs="+", help="notebooks and/or module folders")
-    p.add_argument("--out", required=True, help="folder for the student notebooks")
-    p.set_defaults(func=_cmd_student)
+    p = sub.add_parser("release", aliases=["student"],
+                       help="write student versions (solutions replaced by stubs, cells given ids)")
+    p.add_argument("paths", nargs="*",
+                   help="notebooks and/or module folders (default: every course notebook)")
+    p.add_argument("--out", default="student", help="folder for the student notebooks (default: student)")
+    p.add_argument("--course", default=None, metavar="DIR",
+                   help="folder holding the instructor modules (default: this repository)")
+    p.set_defaults(func=_cmd_release)
+
+    from .grading import DEFAULT_CELL_TIMEOUT_S as GRADE_CELL_S, DEFAULT_NOTEBOOK_TIMEOUT_S
+
+    p = sub.add_parser("grade", help="grade submissions per exercise with nbval (runs students' code!)")
+    p.add_argument("paths", nargs="+", metavar="SUBMISSION",
+                   help="submitted notebooks and/or one folder per student")
+    p.add_argument("--out", default="grades",
+                   help="folder for gradebook.csv, summary.md, reports/, executed/ and logs/ "
+                        "(default: grades)")
+    p.add_argument("--timeout", type=float, default=GRADE_CELL_S, metavar="SECONDS",
+                   help=f"per-cell limit (default {GRADE_CELL_S})")
+    p.add_argument("--notebook-timeout", type=float, default=DEFAULT_NOTEBOOK_TIMEOUT_S,
+                   metavar="SECONDS", help="wall-clock limit for one notebook "
+                                           f"(default {DEFAULT_NOTEBOOK_TIMEOUT_S})")
+    p.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="notebooks graded at once (default: one per CPU core, at most 16)")
+    p.add_argument("--course", default=None, metavar="DIR",
+                   help="folder holding the instructor modules (default: this repository)")
+    p.set_defaults(func=_cmd_grade)
     return parser
 
 

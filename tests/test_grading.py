@@ -1,0 +1,577 @@
+"""The instructor workflow: ``release`` student versions, ``grade`` submissions per exercise.
+
+Three layers, to keep the suite fast:
+
+* **Static checks on every course notebook** (no kernel): releasing is
+  deterministic; each stub stands exactly where a solution was and nothing of
+  the solution is left; check cells and every other cell are unchanged; the
+  grading ids are stable and unique; a released notebook matches its
+  instructor notebook; the graded copy of a submission is the instructor's
+  notebook with only the exercise cells taken from the submission.
+* **A class of small submissions graded for real** (a three-exercise fixture
+  course, about a second of work each): full marks, zero, one wrong answer,
+  tampered checks, and every failure mode the grader must survive.
+* **One course notebook graded for real** (the instructor copy, the released
+  copy, a wrong answer behind a tampered check). Every course notebook is
+  graded this way behind the opt-in marker: ``pytest -m grading tests/test_grading.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import nbformat
+import pytest
+
+from conftest import FIXTURES, REPO, course_notebooks
+from utils import grading, grading_plugin, student
+from utils.student import BEGIN, END, find_exercises, release, release_notebook, strip_solutions
+
+COURSE = FIXTURES / "grading" / "course"
+TINY = COURSE / "01-tiny" / "01_double.ipynb"
+TINY_NAME = "01-tiny/01_double.ipynb"
+NOTEBOOKS = course_notebooks()
+IDS = [str(p.relative_to(REPO)) for p in NOTEBOOKS]
+# The course notebook the default suite grades for real: one of the fastest at smoke size,
+# with two independent exercises (so a wrong answer in one must leave the other standing).
+REPRESENTATIVE = REPO / "02-mixed-precision" / "02_autocast.ipynb"
+SOLUTIONS = {  # the fixture's exercises, as a student who solved them writes them
+    "exercise-1": "# Exercise 1: return twice the input\ndef double(x):\n    return 2 * x\n",
+    "exercise-2": "# Exercise 2: the hypotenuse\ndef hypotenuse(a, b):\n    return (a * a + b * b) ** 0.5\n",
+    "exercise-3": "# Exercise 3: the mean\ndef mean(xs):\n    return sum(xs) / len(xs)\n",
+}
+
+
+def cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "utils", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def read(path):
+    return nbformat.read(path, as_version=4)
+
+
+def released(nb_path=TINY, course=COURSE):
+    nb = read(nb_path)
+    return release_notebook(nb, student.notebook_name(nb_path, course))
+
+
+def submission(base, **sources):
+    """A copy of a released notebook with some exercise cells' sources replaced (None: deleted)."""
+    nb = copy.deepcopy(base)
+    keep = []
+    for cell in nb.cells:
+        ex = cell.metadata.get("course", {})
+        if ex.get("role") == "exercise" and ex["id"].replace("-", "_") in sources:
+            new = sources[ex["id"].replace("-", "_")]
+            if new is None:
+                continue
+            cell.source = new
+        keep.append(cell)
+    nb.cells = keep
+    return nb
+
+
+def solved(base, **overrides):
+    return submission(base, **{**{k.replace("-", "_"): v for k, v in SOLUTIONS.items()}, **overrides})
+
+
+def gradebook(out):
+    with open(out / "gradebook.csv", newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    assert reader.fieldnames == list(grading.GRADEBOOK_COLUMNS)
+    return rows
+
+
+def by_student(rows, name):
+    return {r["exercise"]: r for r in rows if r["student"] == name}
+
+
+# --- release: static checks on every course notebook ----------------------------------------
+
+def _split_regions(source):
+    """(text outside the solution regions, in order) by plain line scanning, not the regex."""
+    outside, current, inside = [], [], False
+    for line in source.splitlines(keepends=True):
+        if line.strip().startswith(BEGIN):
+            outside.append(("".join(current), re.match(r"[ \t]*", line).group(0)))
+            current, inside = [], True
+        elif line.strip().startswith(END):
+            inside = False
+        elif not inside:
+            current.append(line)
+    return outside, "".join(current)
+
+
+@pytest.fixture(scope="module")
+def course_release(tmp_path_factory):
+    out = tmp_path_factory.mktemp("release")
+    written = release(None, out)
+    return out, written
+
+
+def test_release_writes_every_course_notebook_and_module_files(course_release):
+    out, written = course_release
+    assert sorted(p.relative_to(out) for p in written) == \
+        sorted(p.relative_to(REPO) for p in NOTEBOOKS)
+    # helper files a notebook imports or launches travel with its module
+    if (REPO / "01-torch-compile" / "compile_probe.py").exists():
+        assert (out / "01-torch-compile" / "compile_probe.py").is_file()
+    if (REPO / "05-distributed" / "scripts").is_dir():
+        assert (out / "05-distributed" / "scripts" / "ddp_train.py").is_file()
+    assert not list(out.rglob("__pycache__"))
+
+
+def test_release_is_deterministic(course_release, tmp_path):
+    first, _ = course_release
+    release(None, tmp_path)
+    files = sorted(p.relative_to(first) for p in first.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
+    for rel in files:
+        assert (first / rel).read_bytes() == (tmp_path / rel).read_bytes(), rel
+
+
+@pytest.mark.parametrize("nb_path", NOTEBOOKS, ids=IDS)
+def test_release_of_each_course_notebook(nb_path, course_release):
+    out, _ = course_release
+    name = nb_path.relative_to(REPO).as_posix()
+    inst, stud = read(nb_path), read(out / name)
+    exercises = find_exercises(inst)
+    assert exercises, "every course notebook has exercises"
+    assert [c.cell_type for c in inst.cells] == [c.cell_type for c in stud.cells]
+    assert [c.get("id") for c in inst.cells] == [c.get("id") for c in stud.cells]
+
+    ids = [ex.id for ex in exercises]
+    assert len(set(ids)) == len(ids) and all(re.fullmatch(r"exercise-\d+(-\d+)?", i) for i in ids)
+    assert stud.metadata["course"] == {"notebook": name, "exercises": ids, "format": 1}
+    roles = {}
+    for ex in exercises:
+        roles[ex.cell_index] = {"id": ex.id, "role": "exercise"}
+        assert ex.check_index is not None, f"{ex.title}: a check cell follows"
+        roles[ex.check_index] = {"id": f"{ex.id}-check", "role": "check", "exercise": ex.id}
+    for i, (a, b) in enumerate(zip(inst.cells, stud.cells)):
+        assert b.metadata.get("course") == roles.get(i), f"cell {i + 1}: grading ids"
+        if b.cell_type == "code":
+            assert b.outputs == [] and b.execution_count is None
+        if i not in {ex.cell_index for ex in exercises}:
+            assert a.source == b.source, f"cell {i + 1} changed (check cells must be kept as they are)"
+            continue
+        # the exercise cell: exactly the text around the solutions, a stub where each one was
+        ex = next(e for e in exercises if e.cell_index == i)
+        outside, tail = _split_regions(a.source)
+        stub = f'raise NotImplementedError("Student exercise: {ex.title}")\n'
+        expected = "".join(before + indent + stub for before, indent in outside) + tail
+        assert b.source == expected, f"{ex.title}: the stub stands exactly where the solution was"
+        assert BEGIN not in b.source and END not in b.source
+
+
+@pytest.mark.parametrize("nb_path", NOTEBOOKS, ids=IDS)
+def test_grading_matches_and_rebuilds_each_course_notebook(nb_path, course_release):
+    out, _ = course_release
+    name = nb_path.relative_to(REPO).as_posix()
+    course = grading._Course(REPO)
+    stud = read(out / name)
+    assert course.match(stud, out / name) == (name, "")
+    # without its metadata it is still found by its file name
+    bare = copy.deepcopy(stud)
+    bare.metadata.pop("course")
+    assert course.match(bare, out / name)[0] == name
+    inst, exercises = course.load(name)
+    ex_cells = {ex.cell_index for ex in exercises}
+    # the released copy, graded: the instructor notebook with the stubs in the exercise cells
+    graded, notes, empty = grading.build_graded(inst, exercises, stud)
+    assert not empty and not any(notes.values())
+    for i, (a, b, s) in enumerate(zip(inst.cells, graded.cells, stud.cells)):
+        assert b.source == (s.source if i in ex_cells else a.source), f"cell {i + 1}"
+    # the instructor's own notebook submitted as it is (no ids): matched by the exercise
+    # comments, and every solution goes in unchanged
+    graded, notes, _ = grading.build_graded(inst, exercises, read(nb_path))
+    assert [c.source for c in graded.cells] == [c.source for c in inst.cells]
+
+
+def test_strip_solutions_keeps_the_indentation_and_rejects_unbalanced_markers():
+    src = "def f(x):\n    ### BEGIN SOLUTION\n    return x\n    ### END SOLUTION\n\nprint(f(1))\n"
+    assert strip_solutions(src, "Exercise 9") == \
+        'def f(x):\n    raise NotImplementedError("Student exercise: Exercise 9")\n\nprint(f(1))\n'
+    with pytest.raises(ValueError, match="unbalanced solution markers in Exercise 9"):
+        strip_solutions("### BEGIN SOLUTION\nx = 1\n", "Exercise 9")
+
+
+def test_exercise_ids_come_from_the_numbers_and_stay_unique():
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell(f"# Exercise {n}: x\n{BEGIN}\nx = 1\n{END}") for n in (2, 2)
+    ] + [nbformat.v4.new_code_cell(f"{BEGIN}\ny = 1\n{END}"), nbformat.v4.new_code_cell("assert y")])
+    exercises = find_exercises(nb)
+    assert [e.id for e in exercises] == ["exercise-2", "exercise-2-2", "exercise-3"]
+    assert [e.check_index for e in exercises] == [None, None, 3]  # an exercise is no check
+    assert exercises[2].title == "Exercise 3"
+
+
+def test_release_reports_unbalanced_markers_clearly(tmp_path):
+    bad = tmp_path / "01-mod" / "01_bad.ipynb"
+    bad.parent.mkdir()
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        f"# Exercise 1: x\n{BEGIN}\nx = 1\n")]), bad)
+    with pytest.raises(ValueError, match="^01-mod/01_bad.ipynb: cell 1: unbalanced solution markers"):
+        release([bad], tmp_path / "out", course_root=tmp_path)
+
+
+# --- grading: units -------------------------------------------------------------------------
+
+def test_student_names_come_from_folders_and_file_names(tmp_path):
+    (tmp_path / "alice" / "sub").mkdir(parents=True)
+    (tmp_path / "alice" / "sub" / "01_double.ipynb").write_text("{}")
+    (tmp_path / "alice" / ".hidden.ipynb").write_text("{}")
+    (tmp_path / "bob").mkdir()
+    (tmp_path / "bob" / "01_double.ipynb").write_text("{}")
+    (tmp_path / "carol__01_double.ipynb").write_text("{}")
+    (tmp_path / "dave.ipynb").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    subs = grading.collect_submissions([tmp_path / "alice", tmp_path / "bob" / "01_double.ipynb",
+                                        tmp_path / "carol__01_double.ipynb",
+                                        tmp_path / "dave.ipynb", tmp_path / "empty"])
+    assert [(s.student, s.path.name) for s in subs] == [
+        ("alice", "01_double.ipynb"), ("bob", "01_double.ipynb"),
+        ("carol", "carol__01_double.ipynb"), ("dave", "dave.ipynb"), ("empty", "empty")]
+    with pytest.raises(FileNotFoundError, match="no such submission"):
+        grading.collect_submissions([tmp_path / "nobody"])
+    with pytest.raises(ValueError, match="at least one submission"):
+        grading.collect_submissions([])
+
+
+def test_the_graded_copy_takes_only_the_exercise_cells():
+    course = grading._Course(COURSE)
+    inst, exercises = course.load(TINY_NAME)
+    sub = solved(released(), exercise_3=None)  # exercise 3's cell deleted
+    for cell in sub.cells:
+        meta = cell.metadata.get("course", {})
+        if meta.get("role") == "check":
+            cell.source = "pass  # the student 'fixed' the check"
+            cell.metadata["tags"] = ["raises-exception", "skip"]
+        if meta.get("id") == "exercise-1":
+            cell.metadata["tags"] = ["skip"]
+    sub.cells.insert(1, nbformat.v4.new_code_cell("TWO = 3  # a cell of the student's own"))
+    sub.cells.append(copy.deepcopy(sub.cells[4]))  # exercise 1's cell, twice
+    graded, notes, empty = grading.build_graded(inst, exercises, sub)
+    assert len(graded.cells) == len(inst.cells)
+    for i, (a, b) in enumerate(zip(inst.cells, graded.cells)):
+        ex = next((e for e in exercises if e.cell_index == i), None)
+        if ex is None:
+            assert b.source == a.source and b.metadata.get("tags") == a.metadata.get("tags")
+        elif ex.id == "exercise-3":
+            assert b.source == strip_solutions(a.source, ex.title)  # missing: the released stub
+        else:
+            assert b.source == SOLUTIONS[ex.id] and "tags" not in b.metadata
+    assert notes["exercise-3"] == [
+        "the exercise cell is missing from the submission (graded as the released stub)"]
+    assert notes["exercise-1"] == ["2 cells carry this exercise's id; the first was graded"]
+    assert not empty
+    _, _, empty = grading.build_graded(inst, exercises, submission(released(), exercise_2="# hm\n\n"))
+    assert empty == {"exercise-2"}
+
+
+def test_results_are_signed_and_forgeries_rejected(tmp_path):
+    key = b"k" * 64
+    good = {"cell": 0, "status": "passed", "message": ""}
+    good["hmac"] = grading_plugin.sign(key, good)
+    forged = {"cell": 1, "status": "passed", "message": "", "hmac": "0" * 64}
+    relabelled = {**good, "cell": 2}  # a real signature moved to another cell
+    path = tmp_path / "cells.json"
+    path.write_text(json.dumps({"cells": [good, forged, relabelled]}))
+    cells, tampered = grading._read_results(path, key)
+    assert list(cells) == [0] and tampered
+    path.write_text(json.dumps({"cells": [good]}))
+    assert grading._read_results(path, key) == ({0: good}, False)
+    assert grading._read_results(path, b"another key") == ({}, True)
+
+
+def test_grade_rejects_bad_arguments_clearly(tmp_path):
+    for kw, message in ((dict(jobs=0), "jobs must be at least 1, got 0"),
+                        (dict(timeout_s=0), "timeout must be a positive number of seconds"),
+                        (dict(notebook_timeout_s=-1), "notebook timeout must be a positive")):
+        with pytest.raises(ValueError, match=message):
+            grading.grade([TINY], tmp_path, course_root=COURSE, progress=False, **kw)
+    with pytest.raises(FileNotFoundError, match="holds no course notebooks"):
+        grading.grade([TINY], tmp_path, course_root=tmp_path, progress=False)
+    r = cli("grade", "no/such/submission.ipynb", "--out", str(tmp_path))  # the command line
+    assert r.returncode == 2 and "error: no such submission file or folder" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+# --- grading a class for real (fixture course) ----------------------------------------------
+
+STEAL = '''# Exercise 1: return twice the input
+import json, os, pathlib
+import utils
+
+MARK = "### BEGIN " + "SOLUTION"  # spelled so that this cell does not find itself
+
+
+def stolen(title="Exercise 1:"):
+    """An instructor notebook near here or near utils, and its solution to exercise 1."""
+    here = pathlib.Path.cwd()
+    for root in (here, here.parent, here.parent.parent,
+                 pathlib.Path(utils.__file__).resolve().parent.parent):
+        for nb in sorted(root.rglob("*.ipynb")):
+            try:
+                cells = json.loads(nb.read_text())["cells"]
+            except Exception:
+                continue
+            for cell in cells:
+                src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+                if MARK in src and title in src:
+                    return src, str(nb)
+    return None, None
+
+
+source, where = stolen()
+print("STOLEN FROM", where)
+print("UTILS AT", utils.__file__)
+print("CWD", os.getcwd())
+print("REPO VISIBLE", any(REPO_PATH in v for v in [os.getcwd(), utils.__file__,
+                                                   *os.environ.values()]))
+if source:
+    exec(source)
+else:
+    def double(x):
+        return None
+'''
+
+FORGE = '''# Exercise 1: return twice the input
+import json, os, signal
+
+
+def double(x):
+    return 2 * x
+
+
+environ = open(f"/proc/{os.getppid()}/environ", "rb").read().split(b"\\0")
+path = next(e.split(b"=", 1)[1].decode() for e in environ
+            if e.startswith(b"COURSE_GRADING_RESULTS="))
+fake = [{"cell": n, "status": "passed", "message": "", "hmac": "0" * 64} for n in range(50)]
+with open(path, "w") as f:
+    json.dump({"cells": fake}, f)
+os.kill(os.getppid(), signal.SIGKILL)  # and stop the real plugin from writing again
+'''
+
+
+def test_the_steal_attempt_works_where_the_instructor_files_are_visible(monkeypatch):
+    """Negative control: run from the instructor's module folder, the attempt finds the solution."""
+    import utils
+
+    monkeypatch.chdir(TINY.parent)
+    ns = {"REPO_PATH": str(REPO), "utils": utils}
+    code = STEAL.split("source, where = stolen()")[0]
+    exec(code, ns)
+    source, where = ns["stolen"]()
+    assert where == str(TINY) and "return TWO * x" in source
+
+
+@pytest.mark.notebook
+def test_a_class_with_every_failure_mode(tmp_path):
+    base = released()
+    subs = tmp_path / "submissions"
+    plan = {
+        "alice": solved(base),
+        "bob": base,
+        # a wrong answer in exercise 2 behind an edited check, and check 3 deleted
+        "carol": solved(base, exercise_2="# Exercise 2\ndef hypotenuse(a, b):\n    return a + b\n"),
+        "dave": solved(base, exercise_1=SOLUTIONS["exercise-1"] + "while True:\n    pass\n"),
+        "erin": solved(base, exercise_2="import os\nos._exit(3)\n"),
+        "frank": solved(base, exercise_1="import ctypes\nctypes.string_at(0)  # a segfault\n"),
+        "grace": solved(base, exercise_1="import no_such_module_for_the_grading_test\n"),
+        "heidi": solved(base, exercise_1="", exercise_3=None),
+        "ivan": submission(base, exercise_1=STEAL.replace("REPO_PATH", repr(str(REPO)))),
+        "judy": submission(base, exercise_1=FORGE),
+        "mallory": solved(base, exercise_1=(
+            "# NBVAL_RAISES_EXCEPTION\n" + SOLUTIONS["exercise-1"]
+            + 'raise RuntimeError("the marker would hide this")\n'),
+            exercise_2="# NBVAL_SKIP\ndef hypotenuse(a, b):\n    return 0\n"),
+    }
+    carol = plan["carol"]
+    carol.cells = [c for c in carol.cells if c.metadata.get("course", {}).get("id") != "exercise-3-check"]
+    for c in carol.cells:
+        if c.metadata.get("course", {}).get("id") == "exercise-2-check":
+            c.source = "pass  # nothing to see here"
+    for c in plan["mallory"].cells:
+        if c.metadata.get("course", {}).get("role") == "check":
+            c.metadata["tags"] = ["raises-exception"]
+    for name, nb in plan.items():
+        (subs / name).mkdir(parents=True)
+        nbformat.write(nb, subs / name / "01_double.ipynb")
+    (subs / "bob" / "notes.txt").write_text("I ran out of time")
+    (subs / "olivia__01_double.ipynb").write_bytes(TINY.read_bytes())  # the instructor's file
+    (subs / "broken__01_double.ipynb").write_text('{"cells": [')
+    (subs / "weird__01_double.ipynb").write_text('{"hello": "world"}')
+    stranger = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1")])
+    nbformat.write(stranger, subs / "stranger__99_unknown.ipynb")
+
+    out = tmp_path / "grades"
+    t0 = time.monotonic()
+    r = cli("grade", *sorted(str(p) for p in subs.iterdir()), "--course", str(COURSE),
+            "--out", str(out), "--timeout", "10", "--jobs", "2")
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert elapsed < 120, f"grading the class took {elapsed:.0f} s"
+    rows = gradebook(out)
+
+    def passed(name):
+        return {k: r["passed"] == "true" for k, r in by_student(rows, name).items()}
+
+    full = {"exercise-1": True, "exercise-2": True, "exercise-3": True}
+    assert passed("alice") == full and passed("olivia") == full
+    assert all(r["points"] == "1" for r in by_student(rows, "alice").values())
+    bob = by_student(rows, "bob")
+    assert passed("bob") == {"exercise-1": False, "exercise-2": False, "exercise-3": False, "": False}
+    assert all(bob[e]["reason"] == "not done: the exercise still raises the released stub's "
+               "NotImplementedError" for e in full)
+    assert bob[""]["reason"] == "not a notebook (.ipynb): skipped"
+    # the tampered checks came from the instructor: only the wrong answer is lost
+    assert passed("carol") == {"exercise-1": True, "exercise-2": False, "exercise-3": True}
+    assert by_student(rows, "carol")["exercise-2"]["reason"] == \
+        "check: AssertionError: hypotenuse(3, 4) should be 5"
+    dave = by_student(rows, "dave")
+    assert passed("dave") == {"exercise-1": False, "exercise-2": True, "exercise-3": True}
+    assert dave["exercise-1"]["reason"] == \
+        "exercise cell: timed out: the cell ran past the per-cell limit of 10 s"
+    erin = by_student(rows, "erin")
+    assert passed("erin") == {"exercise-1": True, "exercise-2": False, "exercise-3": False}
+    assert erin["exercise-2"]["reason"].startswith(
+        "exercise cell: the kernel died (exit code 3) while running this cell")
+    assert erin["exercise-3"]["reason"].startswith("not run: the kernel stopped earlier, in cell 6 of 11")
+    frank = by_student(rows, "frank")
+    assert "killed by SIGSEGV" in frank["exercise-1"]["reason"] and not passed("frank")["exercise-1"]
+    grace = by_student(rows, "grace")
+    assert grace["exercise-1"]["reason"] == ("exercise cell: ModuleNotFoundError: No module named "
+                                             "'no_such_module_for_the_grading_test'")
+    assert passed("grace")["exercise-2"] and passed("grace")["exercise-3"]
+    heidi = by_student(rows, "heidi")
+    assert passed("heidi") == {"exercise-1": False, "exercise-2": True, "exercise-3": False}
+    assert heidi["exercise-1"]["reason"] == "the exercise cell is empty"
+    assert heidi["exercise-3"]["reason"].endswith(
+        "the exercise cell is missing from the submission (graded as the released stub)")
+    # reading the instructor's solution from disk found nothing to read
+    assert not passed("ivan")["exercise-1"]
+    ivan = read(out / "executed" / "ivan" / TINY_NAME)
+    printed = "".join(o.get("text", "") for c in ivan.cells if c.cell_type == "code"
+                      for o in c.outputs)
+    assert "STOLEN FROM None" in printed and "UTILS AT " in printed
+    if not sys.prefix.startswith(str(REPO)):  # a virtual environment inside the checkout shows
+        assert "REPO VISIBLE False" in printed
+    assert by_student(rows, "ivan")["exercise-1"]["reason"].startswith(
+        "check: AssertionError: double(21) gave None, expected 42; review by hand")
+    # forged results and a killed grader process give nothing
+    judy = by_student(rows, "judy")
+    assert not any(passed("judy").values())
+    assert judy[""]["reason"].startswith("the grader's results file held records the grader did not sign")
+    # nbval markers and tags in the student's file change nothing
+    mallory = by_student(rows, "mallory")
+    assert passed("mallory") == {"exercise-1": False, "exercise-2": False, "exercise-3": True}
+    assert mallory["exercise-1"]["reason"] == "exercise cell: RuntimeError: the marker would hide this"
+    # files that cannot be graded are in the gradebook with the reason, and the batch went on
+    assert by_student(rows, "broken")[""]["reason"].startswith("not a valid notebook (")
+    assert by_student(rows, "weird")[""]["reason"].startswith("not a valid notebook (")
+    assert by_student(rows, "stranger")[""]["reason"].startswith(
+        "belongs to no course notebook: it carries no course metadata")
+    # the per-student report names each failed exercise with the assertion message
+    report = (out / "reports" / "carol.md").read_text()
+    assert "**2 of 3 points**" in report
+    assert "- **Exercise 2: the hypotenuse of a right triangle** (`exercise-2`): check: " \
+           "AssertionError: hypotenuse(3, 4) should be 5" in report
+    assert "| alice | 01-tiny/01_double.ipynb | 3 | 3 |" in (out / "summary.md").read_text()
+
+
+@pytest.mark.notebook
+def test_a_kernel_that_ignores_the_interrupt_is_killed_at_the_wall_clock_limit(tmp_path):
+    pid_file = tmp_path / "kernel.pid"
+    stubborn = (f"import os\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+                "while True:\n    try:\n        while True:\n            pass\n"
+                "    except KeyboardInterrupt:\n        pass\n")
+    path = tmp_path / "zoe" / "01_double.ipynb"
+    path.parent.mkdir()
+    nbformat.write(solved(released(), exercise_1=stubborn), path)
+    t0 = time.monotonic()
+    [g] = grading.grade([path.parent], tmp_path / "out", course_root=COURSE, timeout_s=120,
+                        notebook_timeout_s=20, progress=False)
+    assert time.monotonic() - t0 < 60
+    reasons = {r.exercise: r.reason for r in g.rows}
+    assert reasons["exercise-1"] == reasons["exercise-2"] == (
+        "not run: grading of this notebook was stopped at its wall-clock limit of 20 s")
+    assert reasons[""] == "stopped at the wall-clock limit of 20 s (--notebook-timeout)"
+    import psutil
+
+    pid = int(pid_file.read_text())
+    time.sleep(0.5)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, \
+        "the looping kernel was killed with the run"
+
+
+# --- grading a course notebook for real -----------------------------------------------------
+
+def _course_submissions(nb_path, folder):
+    """The instructor's copy, the released copy, and a wrong answer behind a tampered check."""
+    name = nb_path.relative_to(REPO).as_posix()
+    stud = release_notebook(read(nb_path), name)
+    for who in ("instructor", "released"):
+        (folder / who).mkdir(parents=True)
+    (folder / "instructor" / nb_path.name).write_bytes(nb_path.read_bytes())
+    nbformat.write(stud, folder / "released" / nb_path.name)
+    return name, stud
+
+
+def _check_instructor_and_released(rows, name, exercises):
+    ids = [e.id for e in exercises]
+    inst = by_student(rows, "instructor")
+    assert {k: r["passed"] for k, r in inst.items()} == {i: "true" for i in ids}, inst
+    rel = by_student(rows, "released")
+    # zero, failing exactly at its exercises: no row for a failure anywhere else
+    assert set(rel) == set(ids), rel
+    assert all(r["passed"] == "false" and r["reason"].startswith("not done") for r in rel.values()), rel
+
+
+@pytest.mark.notebook
+def test_a_course_notebook_graded_for_real(tmp_path):
+    folder = tmp_path / "subs"
+    name, stud = _course_submissions(REPRESENTATIVE, folder)
+    exercises = find_exercises(read(REPRESENTATIVE))
+    first = exercises[0]
+    wrong = copy.deepcopy(release_notebook(read(REPRESENTATIVE), name))
+    inst = read(REPRESENTATIVE)
+    for ex in exercises:  # every exercise solved...
+        wrong.cells[ex.cell_index].source = inst.cells[ex.cell_index].source
+    # ...but the first one wrongly (every predicted dtype fp32), behind a check made harmless
+    wrong.cells[first.cell_index].source = re.sub(r"torch\.bfloat16", "torch.float32",
+                                                  inst.cells[first.cell_index].source)
+    wrong.cells[first.check_index].source = "pass  # checked by hand, promise"
+    (folder / "wrong").mkdir()
+    nbformat.write(wrong, folder / "wrong" / REPRESENTATIVE.name)
+
+    out = tmp_path / "grades"
+    grading.grade(sorted(folder.iterdir()), out, jobs=2, timeout_s=300, progress=False)
+    rows = gradebook(out)
+    _check_instructor_and_released(rows, name, exercises)
+    got = {k: r["passed"] for k, r in by_student(rows, "wrong").items()}
+    assert got == {e.id: ("false" if e is first else "true") for e in exercises}
+    assert by_student(rows, "wrong")[first.id]["reason"].startswith(
+        "check: AssertionError: (your prediction, actual) for the ones you missed")
+
+
+@pytest.mark.grading
+@pytest.mark.notebook
+@pytest.mark.parametrize("nb_path", NOTEBOOKS, ids=IDS)
+def test_every_course_notebook_grades_full_and_zero(nb_path, tmp_path, request):
+    if "grading" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("opt-in (executes every course notebook twice): pytest -m grading")
+    folder = tmp_path / "subs"
+    name, _ = _course_submissions(nb_path, folder)
+    out = tmp_path / "grades"
+    grading.grade(sorted(folder.iterdir()), out, jobs=2, progress=False)
+    _check_instructor_and_released(gradebook(out), name, find_exercises(read(nb_path)))

@@ -1,0 +1,829 @@
+"""Grade student submissions per exercise, with nbval, so that editing a check gains nothing.
+
+``python -m utils grade SUBMISSIONS... --out DIR`` calls :func:`grade`. For each
+submitted notebook it
+
+1. **finds its instructor notebook**: the one ``release`` named in the
+   notebook's metadata, else the course notebook with the same file name;
+2. **builds the graded copy from the instructor notebook**, putting in only
+   the student's *exercise cells* (matched by the ids ``release`` wrote into
+   their metadata, see :mod:`utils.student`); check cells, setup and
+   everything else come from the instructor's copy, so a student who edits,
+   deletes or disables a check gains nothing;
+3. **executes it with nbval in lax mode** (``pytest --nbval-lax``, the tool the
+   course promises instructors), at smoke size, in a fresh kernel, in a
+   subprocess with a per-cell timeout *and* a wall-clock limit; on that limit
+   the subprocess and the kernel (its own process group) are killed;
+4. **scores each exercise**: it passes when its exercise cell and its check
+   cell both ran without an error.
+
+What the graded kernel can see. It runs in a scratch folder outside the
+course repository that holds a copy of the ``utils`` package, each module's
+helper files (scripts, helper modules) and the *student* version of every
+course notebook, and nothing else: its working folder, ``utils.__file__``,
+``sys.path`` (``PYTHONPATH`` is the scratch folder) and its environment lead
+to no solution. The per-cell results come back through a small pytest plugin
+(:mod:`utils.grading_plugin`) whose records are signed with a key the kernel
+never sees, so code in the kernel cannot forge them. None of this is a
+sandbox: the kernel runs with the grader's rights, and code that opens the
+instructor's files by their absolute path, or subverts the interpreter the
+checks run in, is stopped only by the operating system. Run grading in a
+container or as an unprivileged user without network (see README).
+
+Every failure ends up in the gradebook with a reason, and never stops the
+batch: a file that is not a notebook or is not valid JSON, a notebook that
+belongs to no course notebook, an empty or missing exercise cell, an error at
+import, a cell that loops (stopped at the per-cell timeout, or at the
+wall-clock limit when it ignores the interrupt), a kernel that dies
+(``os._exit``, a segfault).
+
+Student names: a folder argument is one student, named after the folder
+(every file inside it, recursively, is one of their submissions); a file
+argument named ``NAME__anything.ipynb`` belongs to ``NAME``; a file named like
+a course notebook (``01_measuring_performance.ipynb``) belongs to the folder it
+sits in; any other file to its own stem (``alice.ipynb`` -> ``alice``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import csv
+import hmac
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import nbformat
+
+from .student import (
+    METADATA_KEY,
+    Exercise,
+    copy_module_files,
+    course_notebooks,
+    find_exercises,
+    notebook_name,
+    release_notebook,
+)
+
+__all__ = [
+    "GRADEBOOK_COLUMNS",
+    "DEFAULT_CELL_TIMEOUT_S",
+    "DEFAULT_NOTEBOOK_TIMEOUT_S",
+    "GradeRow",
+    "NotebookGrade",
+    "Submission",
+    "collect_submissions",
+    "build_graded",
+    "grade",
+    "default_jobs",
+]
+
+GRADEBOOK_COLUMNS = ("student", "notebook", "exercise", "passed", "points", "reason")
+#: Per-cell limit. The slowest smoke-size cells of the course (a cold torch.compile on a
+#: loaded 2-core machine) take well under a minute; the test suite allows the same 300 s.
+DEFAULT_CELL_TIMEOUT_S = 300
+#: Wall-clock limit for one notebook, for a kernel that ignores the per-cell timeout.
+DEFAULT_NOTEBOOK_TIMEOUT_S = 1200
+PLUGIN_MODULE = "course_grading_plugin"
+_NOTEBOOK_NAME = re.compile(r"^\d\d_\w+$")
+_SKIP_PARTS = {"__pycache__", ".ipynb_checkpoints", ".git"}
+# Constructs an honest exercise rarely needs and a subversion of the checks usually does:
+# a passed exercise that uses one gets a note asking a person to read it.
+_REVIEW = [
+    (re.compile(r"\bget_ipython\b|\bInteractiveShell\b"), "the IPython shell (get_ipython)"),
+    (re.compile(r"\bsys\.(settrace|setprofile|modules)\b|\bbuiltins\b|__builtins__"),
+     "interpreter internals (sys.settrace/modules, builtins)"),
+    (re.compile(r"\bos\._exit\b|\bos\.kill\b|\bsignal\.|\bctypes\b"), "process control (os._exit, signals, ctypes)"),
+    (re.compile(r"\.ipynb\b|/proc/|COURSE_GRADING"), "notebook files or the grader's files"),
+    (re.compile(r"\bsubprocess\b|\bos\.system\b|\bsocket\b"), "subprocesses or sockets"),
+]
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One submitted file and whose it is."""
+
+    student: str
+    path: Path
+    label: str  # the path as shown in the gradebook and report
+
+
+@dataclass(frozen=True)
+class GradeRow:
+    """One line of the gradebook."""
+
+    student: str
+    notebook: str
+    exercise: str
+    passed: bool
+    points: float
+    reason: str
+
+    def as_csv(self) -> list[str]:
+        return [self.student, self.notebook, self.exercise, "true" if self.passed else "false",
+                f"{self.points:g}", self.reason]
+
+
+@dataclass(frozen=True)
+class NotebookGrade:
+    """What grading one submitted file gave.
+
+    ``rows`` holds one row per exercise of the matched instructor notebook
+    (titles in ``titles``), plus a row with an empty ``exercise`` for a problem
+    with the file or the run as a whole. ``points``/``max_points`` sum them up.
+    """
+
+    student: str
+    submission: str
+    notebook: str
+    rows: tuple[GradeRow, ...]
+    titles: tuple[tuple[str, str], ...] = ()
+    seconds: float = 0.0
+    executed: str = ""
+    log: str = ""
+    notes: tuple[str, ...] = ()
+
+    @property
+    def points(self) -> float:
+        return sum(r.points for r in self.rows)
+
+    @property
+    def max_points(self) -> float:
+        return float(len(self.titles))
+
+
+@dataclass
+class _Prepared:
+    """A submission matched to its instructor notebook, ready to run."""
+
+    submission: Submission
+    name: str
+    exercises: list[Exercise]
+    graded: Any
+    notes: dict[str, list[str]] = field(default_factory=dict)
+    empty: set[str] = field(default_factory=set)
+    file_notes: list[str] = field(default_factory=list)
+
+
+def default_jobs() -> int:
+    """Notebooks graded at once: one per CPU core this process may use, at most 16."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(cpus or 1, 16))
+
+
+# --- submissions ---------------------------------------------------------------------------
+
+def _student_of_file(path: Path) -> str:
+    stem = path.name[:-len(".ipynb")] if path.name.endswith(".ipynb") else path.stem
+    if "__" in stem and stem.split("__", 1)[0]:
+        return stem.split("__", 1)[0]
+    if _NOTEBOOK_NAME.match(stem):
+        return path.resolve().parent.name
+    return stem or path.name
+
+
+def collect_submissions(paths: Sequence[str | os.PathLike]) -> list[Submission]:
+    """Expand the command line into submitted files, each with its student's name.
+
+    A folder is one student (named after it) and every file in it, recursively,
+    is theirs; hidden files, caches and checkpoints are skipped. A file is named
+    by :func:`_student_of_file` (see the module docstring).
+
+    Raises:
+        ValueError: no paths.
+        FileNotFoundError: a path that does not exist.
+    """
+    if not paths:
+        raise ValueError("name at least one submission (a notebook or a student's folder)")
+    found: list[Submission] = []
+    for raw in paths:
+        p = Path(raw).expanduser()
+        if not p.exists():
+            raise FileNotFoundError(f"no such submission file or folder: {raw}")
+        if p.is_dir():
+            student = p.resolve().name
+            files = [f for f in sorted(p.rglob("*")) if f.is_file() and not any(
+                part in _SKIP_PARTS or part.startswith(".") for part in f.relative_to(p).parts)]
+            if not files:
+                found.append(Submission(student, p, str(raw)))  # reported as empty
+            found += [Submission(student, f, str(Path(raw) / f.relative_to(p))) for f in files]
+        else:
+            found.append(Submission(_student_of_file(p), p, str(raw)))
+    return found
+
+
+# --- instructor notebooks and graded copies -------------------------------------------------
+
+class _Course:
+    """The instructor notebooks under a course root, by name and by file name."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.notebooks: dict[str, Path] = {}
+        for p in course_notebooks(root):
+            self.notebooks[notebook_name(p, root)] = p
+        if not self.notebooks:
+            raise FileNotFoundError(f"{root} holds no course notebooks (NN-module/NN_name.ipynb)")
+        self._cache: dict[str, tuple[Any, list[Exercise]]] = {}
+
+    def load(self, name: str) -> tuple[Any, list[Exercise]]:
+        if name not in self._cache:
+            nb = nbformat.read(self.notebooks[name], as_version=4)
+            self._cache[name] = (nb, find_exercises(nb))
+        nb, exercises = self._cache[name]
+        return copy.deepcopy(nb), exercises
+
+    def match(self, nb: Any, path: Path) -> tuple[str | None, str]:
+        """(instructor notebook name or None, how it was matched or why not)."""
+        meta = nb.get("metadata", {}).get(METADATA_KEY, {})
+        named = meta.get("notebook") if isinstance(meta, dict) else None
+        if isinstance(named, str) and named in self.notebooks:
+            return named, ""
+        file_name = path.name.split("__", 1)[1] if "__" in path.name else path.name
+        by_file = [n for n, p in self.notebooks.items() if p.name == file_name]
+        if len(by_file) == 1:
+            return by_file[0], f"matched by its file name ({file_name})"
+        said = f"its metadata names {named!r}, which is not a course notebook" if named else \
+            "it carries no course metadata (was it made with `python -m utils release`?)"
+        return None, f"belongs to no course notebook: {said}, and no course notebook is named {file_name}"
+
+
+def _cell_meta(cell: Any) -> dict[str, Any]:
+    meta = cell.get("metadata", {}).get(METADATA_KEY, {})
+    return meta if isinstance(meta, dict) else {}
+
+
+def _is_empty(source: str) -> bool:
+    return all(not ln.strip() or ln.strip().startswith("#") for ln in source.splitlines())
+
+
+def build_graded(instructor_nb: Any, exercises: Sequence[Exercise],
+                 submission_nb: Any) -> tuple[Any, dict[str, list[str]], set[str]]:
+    """The notebook to execute: the instructor's, with the student's exercise cells in it.
+
+    Only the *source* of each exercise cell is taken from the submission (its
+    metadata, tags and every other cell are the instructor's). A submission
+    cell is matched by its ``course.id`` metadata; a notebook with no ids at
+    all (not made by ``release``) is matched by the ``# Exercise N`` comments.
+    A missing exercise cell is graded as the released stub.
+
+    Returns:
+        ``(graded notebook, notes per exercise id, ids of empty exercise cells)``.
+    """
+    from .student import _TITLE, _NUMBER, strip_solutions
+
+    graded = copy.deepcopy(instructor_nb)
+    cells = [c for c in submission_nb.get("cells", []) if isinstance(c, dict)]
+    code = [c for c in cells if c.get("cell_type") == "code" and isinstance(c.get("source"), str)]
+    by_id: dict[str, list[Any]] = {}
+    for c in code:
+        meta = _cell_meta(c)
+        if meta.get("role") == "exercise" and isinstance(meta.get("id"), str):
+            by_id.setdefault(meta["id"], []).append(c)
+    by_title = not by_id
+    if by_title:
+        for c in code:
+            title = _TITLE.search(c["source"])
+            number = _NUMBER.match(title.group(1)) if title else None
+            if number:
+                by_id.setdefault(f"exercise-{number.group(1)}", []).append(c)
+    notes: dict[str, list[str]] = {}
+    empty: set[str] = set()
+    for k, cell in enumerate(graded.cells):
+        cell.metadata.pop(METADATA_KEY, None)
+        if cell.get("cell_type") == "code":
+            cell.outputs, cell.execution_count = [], None
+        if not cell.get("id"):
+            cell["id"] = f"cell-{k}"
+    for ex in exercises:
+        note = notes.setdefault(ex.id, [])
+        target = graded.cells[ex.cell_index]
+        target.metadata[METADATA_KEY] = {"id": ex.id, "role": "exercise"}
+        if ex.check_index is not None:
+            graded.cells[ex.check_index].metadata[METADATA_KEY] = {
+                "id": ex.check_id, "role": "check", "exercise": ex.id}
+        mine = by_id.get(ex.id, [])
+        if not mine:
+            target.source = strip_solutions(target.source, ex.title)
+            note.append("the exercise cell is missing from the submission (graded as the released stub)")
+            continue
+        if len(mine) > 1:
+            note.append(f"{len(mine)} cells carry this exercise's id; the first was graded")
+        if by_title:
+            note.append("matched by its `# Exercise N` comment (the notebook carries no grading ids)")
+        target.source = mine[0]["source"]
+        if _is_empty(target.source):
+            empty.add(ex.id)
+    return graded, notes, empty
+
+
+def _review_notes(source: str) -> list[str]:
+    return [f"review by hand: the exercise cell uses {what}" for pattern, what in _REVIEW
+            if pattern.search(source)]
+
+
+# --- the sandbox and the nbval run ----------------------------------------------------------
+
+def _build_template(course: _Course, into: Path) -> Path:
+    """A course tree without solutions: utils, module helper files, student notebooks."""
+    from . import grading_plugin
+
+    root = into / "course"
+    utils_src = Path(__file__).resolve().parent
+    shutil.copytree(utils_src, root / "utils", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copyfile(Path(grading_plugin.__file__), root / f"{PLUGIN_MODULE}.py")
+    modules = {p.parent for p in course.notebooks.values()}
+    for module in sorted(modules):
+        copy_module_files(module, root / module.relative_to(course.root))
+    for name in course.notebooks:
+        nb, _ = course.load(name)
+        target = root / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(release_notebook(nb, name), target)
+    return root
+
+
+def _kernel_env(sandbox: Path, work: Path, hidden: Sequence[Path]) -> dict[str, str]:
+    hide = [str(h.resolve()) for h in hidden]
+    env = {}
+    for k, v in os.environ.items():
+        if k.startswith(("PYTEST_", "COURSE_")) or k in ("OLDPWD", "PYTHONPATH"):
+            continue
+        if k != "PATH" and any(h in v for h in hide):
+            continue  # nothing in the kernel's environment points at the instructor's files
+        env[k] = v
+    env.update({
+        "COURSE_SMOKE": "1",
+        "COURSE_STRICT": "0",
+        "COURSE_RESULTS_DIR": str(work / "results"),
+        "PYTHONPATH": str(sandbox),
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+    })
+    return env
+
+
+class _Watch:
+    """The processes under the pytest subprocess, remembered while it runs.
+
+    The kernel starts in a session of its own, so killing the subprocess's
+    process group would leave it running; and a kernel that kills its parent
+    is re-parented, so it cannot be found from the parent afterwards. Polling
+    the tree while the run lasts finds it in both cases.
+    """
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.seen: dict[int, Any] = {}
+        try:
+            import psutil
+
+            self._root = psutil.Process(pid)
+        except Exception:  # noqa: BLE001 - no psutil, or the process is already gone
+            self._root = None
+
+    def poll(self) -> None:
+        if self._root is None:
+            return
+        try:
+            for child in self._root.children(recursive=True):
+                self.seen.setdefault(child.pid, child)
+        except Exception:  # noqa: BLE001 - the subprocess ended meanwhile
+            pass
+
+    def kill_all(self, group: bool) -> None:
+        """SIGKILL every remembered process that still runs, and the subprocess's group.
+
+        ``group`` only while the subprocess has not been reaped (its pid is still its own).
+        """
+        if group:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except OSError:
+                pass
+        for proc in self.seen.values():
+            try:
+                if proc.is_running():  # psutil checks that the pid was not reused
+                    proc.kill()
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+
+@dataclass
+class _RunResult:
+    cells: dict[int, dict[str, Any]]
+    seconds: float
+    killed: bool
+    returncode: int | None
+    log_tail: str
+    tampered: bool
+
+
+def _read_results(path: Path, key: bytes) -> tuple[dict[int, dict[str, Any]], bool]:
+    """The records signed with ``key``, and whether anything else was in the file."""
+    from . import grading_plugin
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}, path.exists()
+    if not isinstance(data, dict):
+        return {}, True
+    cells, tampered = {}, False
+    for rec in data.get("cells", []) if isinstance(data.get("cells"), list) else []:
+        if not isinstance(rec, dict) or not isinstance(rec.get("cell"), int):
+            tampered = True
+            continue
+        if hmac.compare_digest(str(rec.get("hmac", "")), grading_plugin.sign(key, rec)):
+            cells[rec["cell"]] = rec
+        else:
+            tampered = True
+    return cells, tampered
+
+
+def _run_nbval(graded: Any, name: str, template: Path, hidden: Sequence[Path], timeout_s: float,
+               wall_s: float, log_path: Path) -> _RunResult:
+    from . import grading_plugin
+
+    work = Path(tempfile.mkdtemp(prefix="course-grade-"))
+    try:
+        sandbox = work / "course"
+        shutil.copytree(template, sandbox)
+        nb_path = sandbox / name
+        nbformat.write(graded, nb_path)
+        key = secrets.token_hex(32).encode()
+        key_file = work / "key"
+        key_file.write_bytes(key)
+        key_file.chmod(0o600)
+        results = work / "cells.json"
+        ini = work / "pytest.ini"
+        ini.write_text("[pytest]\n", encoding="utf-8")
+        env = _kernel_env(sandbox, work, hidden)
+        env[grading_plugin.RESULTS_ENV_VAR] = str(results)
+        env[grading_plugin.KEY_ENV_VAR] = str(key_file)
+        cmd = [sys.executable, "-m", "pytest", str(nb_path), "--nbval-lax", "--nbval-current-env",
+               f"--nbval-cell-timeout={timeout_s:g}", "-c", str(ini), "--rootdir", str(sandbox),
+               "-o", "addopts=", "-p", "nbval.plugin", "-p", PLUGIN_MODULE,
+               "-p", "no:cacheprovider", "-q", "--color=no"]
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        killed = False
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, cwd=nb_path.parent, env=env, stdin=subprocess.DEVNULL,
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            watch = _Watch(proc.pid)
+            while True:
+                watch.poll()
+                try:
+                    proc.wait(timeout=0.5)
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() - t0 > wall_s:
+                        killed = True
+                        break
+            watch.kill_all(group=killed)  # after a clean run, only what outlived it
+            proc.wait()
+        seconds = time.monotonic() - t0
+        cells, tampered = _read_results(results, key)
+        tail = log_path.read_text(encoding="utf-8", errors="replace")[-3000:]
+        return _RunResult(cells, seconds, killed, None if killed else proc.returncode, tail, tampered)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# --- scoring --------------------------------------------------------------------------------
+
+def _first_line(text: str) -> str:
+    return next((ln.strip() for ln in str(text).splitlines() if ln.strip()), "")
+
+
+def _describe(graded: Any, cell_index: int) -> str:
+    cells = graded.cells
+    first = _first_line(cells[cell_index].get("source", ""))
+    first = first if len(first) <= 60 else first[:57] + "..."
+    return f"cell {cell_index + 1} of {len(cells)} (`{first}`)"
+
+
+STUB_MESSAGE = "NotImplementedError: Student exercise"
+
+
+def _where(cell: str, message: str) -> str:
+    """``check: AssertionError: ...``; messages that already say it all stay as they are."""
+    if message.startswith(("not run", "not done", "no result")):
+        return message
+    return f"{cell}: {message}"
+
+
+def _score(prep: _Prepared, run: _RunResult, wall_s: float) -> tuple[list[GradeRow], list[str]]:
+    graded, student, name = prep.graded, prep.submission.student, prep.name
+    code = [i for i, c in enumerate(graded.cells) if c.get("cell_type") == "code"]
+    number = {cell_index: n for n, cell_index in enumerate(code)}
+    records = {code[n]: rec for n, rec in run.cells.items() if 0 <= n < len(code)}
+    stopped = next((i for i in code if records.get(i, {}).get("message", "").startswith(
+        ("the kernel died", "timed out"))), None)
+    if run.killed:
+        not_run = (f"not run: grading of this notebook was stopped at its wall-clock limit of "
+                   f"{wall_s:g} s")
+    elif run.tampered:
+        not_run = ("no result the grader can trust: code in the kernel overwrote the grader's "
+                   "results file")
+    elif stopped is not None:
+        not_run = f"not run: the kernel stopped earlier, in {_describe(graded, stopped)}"
+    elif not run.cells:
+        not_run = f"not run: nbval did not execute this notebook (exit code {run.returncode})"
+    else:
+        not_run = "not run"
+
+    def outcome(i: int) -> tuple[str, str]:
+        rec = records.get(i)
+        if rec is None:
+            return "not run", not_run
+        msg = rec.get("message", "")
+        if msg.startswith("not run: the kernel had stopped") and stopped is not None:
+            msg = f"not run: the kernel stopped earlier, in {_describe(graded, stopped)}"
+        if STUB_MESSAGE in msg:
+            msg = "not done: the exercise still raises the released stub's NotImplementedError"
+        return rec.get("status", "failed"), msg
+
+    rows, notes = [], []
+    roles = set()
+    for ex in prep.exercises:
+        roles.update({ex.cell_index, ex.check_index})
+        status, msg = outcome(ex.cell_index)
+        check = outcome(ex.check_index) if ex.check_index is not None else ("passed", "")
+        extra = prep.notes.get(ex.id, [])
+        if ex.id in prep.empty:
+            passed, reason = False, "the exercise cell is empty"
+        elif status != "passed":
+            passed, reason = False, _where("exercise cell", msg)
+        elif check[0] not in ("passed", "skipped"):
+            passed, reason = False, _where("check", check[1])
+        else:
+            passed, reason = True, ""
+        reason = "; ".join([r for r in [reason] if r] + extra)
+        rows.append(GradeRow(student, name, ex.id, passed, 1.0 if passed else 0.0, reason))
+    # A failure in one of the instructor's own cells, or of the run as a whole.
+    first_bad = next((i for i in code if i not in roles and records.get(i, {}).get("status")
+                      in ("failed", "error")
+                      and not records[i].get("message", "").startswith("not run")), None)
+    problems = []
+    if first_bad is not None:
+        problems.append(f"the instructor's {_describe(graded, first_bad)} failed: "
+                        f"{records[first_bad].get('message', '')}; exercises after it may have "
+                        "failed because of it")
+    if run.killed:
+        problems.append(f"stopped at the wall-clock limit of {wall_s:g} s (--notebook-timeout)")
+    if run.tampered:
+        problems.append("the grader's results file held records the grader did not sign "
+                        "(ignored): code in the kernel wrote to it")
+    elif not run.cells and not run.killed:
+        problems.append(f"nbval did not run (exit code {run.returncode}): "
+                        f"{_first_line(run.log_tail[-600:]) or 'no output'}")
+    for p in problems:
+        rows.append(GradeRow(student, name, "", False, 0.0, p))
+    if not run.cells:
+        notes.append("last lines of the nbval run:\n" + run.log_tail[-1500:])
+    return rows, notes
+
+
+def _executed_copy(graded: Any, run: _RunResult) -> Any:
+    nb = copy.deepcopy(graded)
+    code = [c for c in nb.cells if c.get("cell_type") == "code"]
+    count = 0
+    for n, cell in enumerate(code):
+        rec = run.cells.get(n)
+        if rec is None:
+            continue
+        count += 1
+        cell.execution_count = count
+        outs = []
+        for o in rec.get("outputs", []):
+            try:
+                out = nbformat.from_dict(o)
+                if out.get("output_type") == "execute_result":
+                    out["execution_count"] = count
+                outs.append(out)
+            except Exception:  # noqa: BLE001 - a malformed output is dropped, not fatal
+                continue
+        cell.outputs = outs
+    return nb
+
+
+# --- the batch ------------------------------------------------------------------------------
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^\w.-]+", "_", name).strip("._") or "student"
+
+
+def _file_row(sub: Submission, reason: str, notebook: str = "") -> NotebookGrade:
+    return NotebookGrade(sub.student, sub.label, notebook,
+                         (GradeRow(sub.student, notebook or sub.label, "", False, 0.0, reason),))
+
+
+def _prepare(sub: Submission, course: _Course) -> _Prepared | NotebookGrade:
+    if sub.path.is_dir():
+        return _file_row(sub, "the folder holds no files: nothing was submitted")
+    if not sub.path.name.endswith(".ipynb"):
+        return _file_row(sub, "not a notebook (.ipynb): skipped")
+    try:
+        nb = nbformat.read(sub.path, as_version=4)
+        if not isinstance(nb.get("cells"), list):
+            raise ValueError("it has no list of cells")
+    except Exception as exc:  # noqa: BLE001 - JSON errors, NotJSONError, unknown nbformat...
+        return _file_row(sub, f"not a valid notebook ({type(exc).__name__}: "
+                              f"{_first_line(str(exc)) or 'unreadable'}): nothing was executed")
+    name, how = course.match(nb, sub.path)
+    if name is None:
+        return _file_row(sub, how + ": nothing was executed")
+    instructor, exercises = course.load(name)
+    graded, notes, empty = build_graded(instructor, exercises, nb)
+    for ex in exercises:
+        notes[ex.id] = notes.get(ex.id, []) + (
+            [] if ex.id in empty else _review_notes(graded.cells[ex.cell_index].source))
+    return _Prepared(sub, name, exercises, graded, notes, empty, [how] if how else [])
+
+
+def _grade_one(prep: _Prepared, template: Path, hidden: Sequence[Path], out: Path,
+               timeout_s: float, wall_s: float) -> NotebookGrade:
+    sub = prep.submission
+    stem = f"{_safe(sub.student)}/{prep.name}"
+    log = out / "logs" / (stem[:-len(".ipynb")] + ".log")
+    run = _run_nbval(prep.graded, prep.name, template, hidden, timeout_s, wall_s, log)
+    rows, notes = _score(prep, run, wall_s)
+    executed = out / "executed" / stem
+    executed.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(_executed_copy(prep.graded, run), executed)
+    return NotebookGrade(sub.student, sub.label, prep.name, tuple(rows),
+                         tuple((ex.id, ex.title) for ex in prep.exercises), round(run.seconds, 1),
+                         str(executed), str(log), tuple(prep.file_notes + notes))
+
+
+def _dedupe(prepared: list[_Prepared]) -> tuple[list[_Prepared], list[NotebookGrade]]:
+    """One graded file per (student, notebook): the one named like the course notebook, else the first."""
+    groups: dict[tuple[str, str], list[_Prepared]] = {}
+    for p in prepared:
+        groups.setdefault((p.submission.student, p.name), []).append(p)
+    keep, dropped = [], []
+    for (_, name), group in groups.items():
+        group.sort(key=lambda p: (p.submission.path.name != Path(name).name, p.submission.label))
+        keep.append(group[0])
+        for p in group[1:]:
+            dropped.append(_file_row(p.submission, f"another file of this student for {name} was "
+                                                   f"graded ({group[0].submission.label}); this one was not",
+                                     name))
+    return keep, dropped
+
+
+def _write_gradebook(grades: Sequence[NotebookGrade], path: Path) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(GRADEBOOK_COLUMNS)
+        for g in grades:
+            for r in g.rows:
+                w.writerow(r.as_csv())
+
+
+def _md(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def student_report(student: str, grades: Sequence[NotebookGrade]) -> str:
+    """Markdown report for one student: points per notebook, each failed exercise and why."""
+    total = sum(g.points for g in grades)
+    most = sum(g.max_points for g in grades)
+    lines = [f"# Grading report: {student}", "",
+             f"**{total:g} of {most:g} points** over {len(grades)} submitted file(s).", ""]
+    for g in grades:
+        titles = dict(g.titles)
+        head = g.notebook or g.submission
+        lines += [f"## {head}", "", f"Submitted file: `{g.submission}`" + (
+            f"; {g.points:g} of {g.max_points:g} points." if g.titles else "."), ""]
+        exercise_rows = [r for r in g.rows if r.exercise]
+        if exercise_rows:
+            lines += ["| exercise | passed | points | reason |", "|---|---|---|---|"]
+            lines += [f"| {_md(titles.get(r.exercise, r.exercise))} | {'yes' if r.passed else 'no'} "
+                      f"| {r.points:g} | {_md(r.reason)} |" for r in exercise_rows]
+            lines.append("")
+        failed = [r for r in exercise_rows if not r.passed]
+        if failed:
+            lines += ["Failed:", ""]
+            lines += [f"- **{titles.get(r.exercise, r.exercise)}** (`{r.exercise}`): {r.reason}"
+                      for r in failed]
+            lines.append("")
+        problems = [r for r in g.rows if not r.exercise]
+        if problems:
+            lines += ["Problems with this file:", ""] + [f"- {r.reason}" for r in problems] + [""]
+        if g.executed:
+            lines += [f"Executed copy (the graded notebook with its outputs): `{g.executed}`", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _write_reports(grades: Sequence[NotebookGrade], out: Path) -> dict[str, Path]:
+    by_student: dict[str, list[NotebookGrade]] = {}
+    for g in grades:
+        by_student.setdefault(g.student, []).append(g)
+    folder = out / "reports"
+    folder.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for student, gs in sorted(by_student.items()):
+        path = folder / f"{_safe(student)}.md"
+        path.write_text(student_report(student, gs), encoding="utf-8")
+        written[student] = path
+    summary = ["# Gradebook summary", "", "| student | notebook | points | of | failed |",
+               "|---|---|---|---|---|"]
+    for g in grades:
+        failed = ", ".join(r.exercise or "(file)" for r in g.rows if not r.passed)
+        summary.append(f"| {_md(g.student)} | {_md(g.notebook or g.submission)} | {g.points:g} | "
+                       f"{g.max_points:g} | {_md(failed)} |")
+    (out / "summary.md").write_text("\n".join(summary) + "\n", encoding="utf-8")
+    return written
+
+
+def grade(
+    paths: Sequence[str | os.PathLike],
+    out_dir: str | os.PathLike = "grades",
+    course_root: str | os.PathLike | None = None,
+    timeout_s: float = DEFAULT_CELL_TIMEOUT_S,
+    notebook_timeout_s: float = DEFAULT_NOTEBOOK_TIMEOUT_S,
+    jobs: int | None = None,
+    progress: bool = True,
+) -> list[NotebookGrade]:
+    """Grade submissions; writes ``gradebook.csv``, ``summary.md``, ``reports/``, ``executed/``, ``logs/``.
+
+    Args:
+        paths: submitted notebooks and/or students' folders (see the module docstring).
+        out_dir: where the gradebook and reports go.
+        course_root: the folder holding the instructor notebooks (default: this repository).
+        timeout_s: per-cell limit (nbval's ``--nbval-cell-timeout``).
+        notebook_timeout_s: wall-clock limit for one notebook's whole run.
+        jobs: notebooks graded at once (default :func:`default_jobs`).
+        progress: print one line per graded file.
+
+    Returns:
+        One :class:`NotebookGrade` per submitted file, sorted by student and file.
+
+    Raises:
+        ValueError: no submissions, or a non-positive limit or job count.
+        FileNotFoundError: a submission path that does not exist, or no course notebooks.
+    """
+    from .ledger import REPO_ROOT
+
+    for what, value in (("timeout", timeout_s), ("notebook timeout", notebook_timeout_s)):
+        if not value > 0:
+            raise ValueError(f"{what} must be a positive number of seconds, got {value}")
+    jobs = default_jobs() if jobs is None else jobs
+    if jobs < 1:
+        raise ValueError(f"jobs must be at least 1, got {jobs}")
+    root = Path(course_root).resolve() if course_root is not None else REPO_ROOT
+    course = _Course(root)
+    submissions = collect_submissions(paths)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    grades: list[NotebookGrade] = []
+    prepared: list[_Prepared] = []
+    for sub in submissions:
+        p = _prepare(sub, course)
+        (grades if isinstance(p, NotebookGrade) else prepared).append(p)
+    prepared, dropped = _dedupe(prepared)
+    grades += dropped
+    if progress:
+        print(f"grading {len(prepared)} notebook(s) of {len({s.student for s in submissions})} "
+              f"student(s), {jobs} at a time; {len(grades)} file(s) need no run", flush=True)
+        for g in grades:
+            print(f"    {g.student}: {g.submission}: {g.rows[0].reason}", flush=True)
+    hidden = sorted({root, REPO_ROOT})
+    scratch = Path(tempfile.mkdtemp(prefix="course-grade-template-"))
+    try:
+        template = _build_template(course, scratch) if prepared else scratch
+        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+            futures = {pool.submit(_grade_one, p, template, hidden, out, timeout_s,
+                                   notebook_timeout_s): p for p in prepared}
+            for fut in concurrent.futures.as_completed(futures):
+                p = futures[fut]
+                try:
+                    g = fut.result()
+                except Exception as exc:  # noqa: BLE001 - a grader bug must not stop the class
+                    g = _file_row(p.submission, f"the grader failed on this file: "
+                                                f"{type(exc).__name__}: {exc}", p.name)
+                grades.append(g)
+                if progress:
+                    print(f"    {g.student}: {g.notebook}: {g.points:g} of {g.max_points:g} "
+                          f"points ({g.seconds:.0f} s)", flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    grades.sort(key=lambda g: (g.student, g.submission))
+    _write_gradebook(grades, out / "gradebook.csv")
+    _write_reports(grades, out)
+    return grades
