@@ -20,8 +20,11 @@ writes (``torch._inductor.utils.run_and_get_code`` returns it), on either device
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import re
+import sys
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -79,7 +82,7 @@ class KernelCount:
         per = f"{self.per_call:g}"
         names = ", ".join(f"{_short(k)} x{v}" for k, v in self.top(6))
         more = len(self.by_name) - min(6, len(self.by_name))
-        return (f"{per} kernel(s) per call on {self.device} ({self.method}): {names}"
+        return (f"{per} kernel(s) per call on {self.device}: {names or 'none'}"
                 + (f", and {more} more" if more > 0 else ""))
 
 
@@ -159,6 +162,26 @@ def _counts_cpu(events: Any) -> tuple[Counter, bool]:
     return counts, compiled_regions > 0 and inductor_kernels == 0
 
 
+@contextlib.contextmanager
+def _quiet_native_stderr():
+    """Silence what native code writes to file descriptor 2 (the profiler's library logs
+    "profiler_start"/"profiler_stop" stage lines there, at any log level), then restore it.
+    Python-level errors still propagate as exceptions."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no real fd 2 (some embedded interpreters)
+        yield
+        return
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def count_kernels(fn: Callable[..., Any], *args: Any, device: str | torch.device | None = None,
                   calls: int = 1, warmup: int = 1, **kwargs: Any) -> KernelCount:
     """Profile ``fn(*args, **kwargs)`` and count the kernels it runs.
@@ -199,11 +222,18 @@ def count_kernels(fn: Callable[..., Any], *args: Any, device: str | torch.device
         # The profiler may warn about unsupported activities or its own setup; the count is
         # what matters here, and a missing device trace is reported below.
         warnings.simplefilter("ignore")
-        with profile(activities=activities) as prof:
+        prof = profile(activities=activities)
+        with _quiet_native_stderr():
+            prof.start()
+        try:
             for _ in range(calls):
                 fn(*args, **kwargs)
             synchronize(dev)
-    events = prof.events()
+        finally:
+            with _quiet_native_stderr():
+                prof.stop()
+    with _quiet_native_stderr():
+        events = prof.events()
     if dev.type == "cuda":
         device_type = torch.autograd.DeviceType.CUDA
         counts = Counter(e.name for e in events if e.device_type == device_type)
