@@ -52,6 +52,7 @@ from .timing import (
 )
 
 from . import distributed  # noqa: E402  (torchrun launch and worker helpers: utils.distributed)
+from . import ladder  # noqa: E402  (the capstone's speedup ladder: utils.ladder)
 
 __version__ = "0.1.0"
 

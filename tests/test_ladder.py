@@ -1,0 +1,284 @@
+"""utils.ladder: the speedup ladder's settings, model helpers, step, FLOPs, runner and plots."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import utils
+from utils import ladder as L
+
+TINY = utils.GPTConfig(vocab_size=61, block_size=16, n_layer=1, n_head=2, n_embd=16)
+
+
+def tiny_batch(step: int, batch: int = 8, cfg: utils.GPTConfig = TINY):
+    return utils.lm_batch(cfg, batch, device="cpu", seed=step)
+
+
+# ----------------------------------------------------------------------------- TrainConfig
+
+def test_train_config_validates_its_fields():
+    with pytest.raises(ValueError, match="amp"):
+        L.TrainConfig(amp="fp8")
+    with pytest.raises(ValueError, match="compile"):
+        L.TrainConfig(compile="fast")
+    with pytest.raises(ValueError, match="accum_steps"):
+        L.TrainConfig(accum_steps=0)
+    with pytest.raises(ValueError, match="vocab_multiple"):
+        L.TrainConfig(vocab_multiple=-128)
+    with pytest.raises(TypeError, match="tf32"):
+        L.TrainConfig(tf32="yes")
+    with pytest.raises(ValueError, match="169545"):
+        L.TrainConfig(compile="reduce-overhead", accum_steps=2)
+    L.TrainConfig(compile="max-autotune-no-cudagraphs", accum_steps=2)  # no CUDA graphs: fine
+
+
+def test_train_config_properties():
+    assert L.TrainConfig().ceiling_kind == "fp32"
+    assert L.TrainConfig(tf32=True).ceiling_kind == "tf32"
+    assert L.TrainConfig(tf32=True, amp="bf16").ceiling_kind == "bf16"
+    assert L.TrainConfig(amp="fp16").amp_dtype is torch.float16
+    assert L.TrainConfig().amp_dtype is None
+    assert L.TrainConfig(compile="reduce-overhead").uses_cuda_graphs
+    assert not L.TrainConfig(compile="default").uses_cuda_graphs
+    a, b = L.TrainConfig(), L.TrainConfig(sdpa=True, accum_steps=4)
+    assert b.changes_from(a) == {"sdpa": True, "accum_steps": 4}
+    assert "hand-written attention" in a.describe() and "SDPA" in b.describe()
+
+
+def test_flags_round_trip_through_argparse():
+    parser = argparse.ArgumentParser()
+    L.TrainConfig.add_arguments(parser)
+    cfg = L.TrainConfig(tf32=True, amp="bf16", sdpa=True, compile="default", fused_adamw=True,
+                        vocab_multiple=128, accum_steps=2)
+    args = parser.parse_args(cfg.to_flags())
+    assert L.TrainConfig().with_args(args) == cfg
+    # flags not given leave the base alone
+    none_given = parser.parse_args([])
+    assert cfg.with_args(none_given) == cfg
+    assert cfg.with_args(parser.parse_args(["--amp", "fp32", "--compile", "none"])) == \
+        dataclasses.replace(cfg, amp=None, compile=None)
+    with pytest.raises(ValueError, match="CUDA graphs"):
+        L.TrainConfig(accum_steps=4).with_args(parser.parse_args(["--compile", "reduce-overhead"]))
+
+
+def test_the_ladder_is_cumulative_and_well_formed():
+    names = [r.name for r in L.LADDER]
+    assert names[0] == "fp32 eager" and names[-1] == "CUDA graphs" and len(set(names)) == len(names)
+    cfg = L.TrainConfig(accum_steps=4)
+    for rung in L.LADDER:
+        cfg = rung.apply(cfg)  # every combination along the way is valid
+    assert cfg == L.TrainConfig(tf32=True, amp="bf16", sdpa=True, compile="reduce-overhead",
+                                fused_adamw=True, vocab_multiple=128, accum_steps=1)
+    assert [r.name for r in L.LADDER if r.needs_cuda] == ["CUDA graphs"]
+    assert "fp16 autocast + GradScaler" in [r.name for r in L.default_ladder("fp16")]
+    with pytest.raises(ValueError, match="amp"):
+        L.default_ladder("fp32")
+    with pytest.raises(ValueError, match="unknown TrainConfig field"):
+        L.Rung("bad", {"flash": True})
+
+
+def test_padded_size():
+    assert L.padded_size(50257, 128) == 50304
+    assert L.padded_size(128, 128) == 128 and L.padded_size(1, 128) == 128
+    assert L.padded_size(757, 1) == 757
+    with pytest.raises(ValueError):
+        L.padded_size(0, 128)
+    with pytest.raises(ValueError):
+        L.padded_size(10, 0)
+
+
+# ----------------------------------------------------------------------------- the model side
+
+def test_handwritten_attention_matches_sdpa_forward_and_backward():
+    torch.manual_seed(0)
+    model = utils.TinyGPT(TINY)
+    x, y = tiny_batch(0)
+    twin = copy.deepcopy(model)
+    assert L.set_attention(twin, False) == TINY.n_layer
+    assert all(type(b.attn) is L.HandwrittenCausalSelfAttention for b in twin.blocks)
+    loss_sdpa = L.LossModule(model, TINY.vocab_size)(x, y)
+    loss_manual = L.LossModule(twin, TINY.vocab_size)(x, y)
+    torch.testing.assert_close(loss_manual, loss_sdpa, rtol=1e-5, atol=1e-6)
+    loss_sdpa.backward()
+    loss_manual.backward()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6)
+    assert L.set_attention(twin, True) == TINY.n_layer
+    assert L.set_attention(utils.SmallCNN(width=4), True) == 0
+    with pytest.raises(TypeError):
+        L.set_attention(model, "sdpa")
+
+
+def test_gpt_model_fn_same_weights_and_a_padding_that_changes_nothing():
+    fn = L.gpt_model_fn(TINY, seed=3)
+    a, b = fn(L.TrainConfig()), fn(L.TrainConfig())
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert isinstance(a.blocks[0].attn, L.HandwrittenCausalSelfAttention)
+    assert type(fn(L.TrainConfig(sdpa=True)).blocks[0].attn) is not L.HandwrittenCausalSelfAttention
+    padded = fn(L.TrainConfig(sdpa=True, vocab_multiple=64))
+    assert padded.tok_emb.weight.shape[0] == 64 and padded.head.weight is padded.tok_emb.weight
+    assert torch.equal(padded.tok_emb.weight[: TINY.vocab_size], a.tok_emb.weight)
+    assert not padded.tok_emb.weight[TINY.vocab_size:].any()
+    x, y = tiny_batch(1)
+    ref = L.LossModule(fn(L.TrainConfig(sdpa=True)), TINY.vocab_size)(x, y)
+    loss = L.LossModule(padded, TINY.vocab_size)(x, y)
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=0.0)
+    loss.backward()
+    assert padded.tok_emb.weight.grad[TINY.vocab_size:].abs().max().item() == 0.0
+    # the negative control: without the cut, the extra (zero) logits enter the softmax
+    uncut = L.LossModule(padded, None)(x, y)
+    assert (uncut - ref).item() > 0.5 * math.log(64 / TINY.vocab_size)
+
+
+def test_loss_module_needs_enough_logits():
+    model = nn.Linear(4, 3)
+    with pytest.raises(ValueError, match="fewer than"):
+        L.LossModule(model, 5)(torch.randn(2, 4), torch.tensor([0, 1]))
+    with pytest.raises(ValueError):
+        L.LossModule(model, 0)
+
+
+# ----------------------------------------------------------------------------- the step
+
+def _params_after_one_step(cfg: L.TrainConfig, fused: bool = False) -> list[torch.Tensor]:
+    fn = L.gpt_model_fn(TINY, seed=0)
+    trainer = L.Trainer(fn(cfg), cfg, device="cpu", num_classes=TINY.vocab_size, lr=1e-2)
+    x, y = tiny_batch(0)
+    loss = trainer.step(x, y)
+    assert loss.shape == () and torch.isfinite(loss) and trainer.steps_done == 1
+    return [p.detach().clone() for p in trainer.model.parameters()]
+
+
+def test_accumulation_gives_the_same_step_as_one_big_micro_batch():
+    one = _params_after_one_step(L.TrainConfig(accum_steps=1))
+    four = _params_after_one_step(L.TrainConfig(accum_steps=4))
+    for p, q in zip(one, four):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
+    fused = _params_after_one_step(L.TrainConfig(accum_steps=4, fused_adamw=True))
+    for p, q in zip(four, fused):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6)
+
+
+def test_trainer_amp_paths_on_cpu_and_its_errors():
+    for amp in ("bf16", "fp16"):
+        cfg = L.TrainConfig(amp=amp, sdpa=True, accum_steps=2)
+        trainer = L.Trainer(L.gpt_model_fn(TINY)(cfg), cfg, device="cpu",
+                            num_classes=TINY.vocab_size, warmup_steps=2)
+        losses = [trainer.step(*tiny_batch(i)).item() for i in range(3)]
+        assert all(math.isfinite(v) for v in losses)
+        assert (trainer.scaler is not None) == (amp == "fp16")
+        state = trainer.state_dict()
+        assert state["step"] == 3 and state["train_config"]["amp"] == amp
+        assert ("scaler" in state) == (amp == "fp16")
+    trainer = L.Trainer(nn.Linear(4, 3), L.TrainConfig(accum_steps=3), device="cpu")
+    with pytest.raises(ValueError, match="accum_steps=3"):
+        trainer.step(torch.randn(4, 4), torch.randint(3, (4,)))
+    with pytest.raises(ValueError, match="CUDA"):
+        L.Trainer(nn.Linear(4, 3), L.TrainConfig(compile="reduce-overhead"), device="cpu")
+    with pytest.raises(TypeError):
+        L.Trainer(nn.Linear(4, 3), {"amp": "bf16"}, device="cpu")
+
+
+# ----------------------------------------------------------------------------- FLOPs, ceilings
+
+def test_count_step_flops_matches_the_formula_and_leaves_the_model_alone():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    before = copy.deepcopy(model.state_dict())
+    n = 10
+    x, y = torch.randn(n, 8), torch.randint(4, (n,))
+    flops = L.count_step_flops(model, x, y)
+    # forward 2N(8*16 + 16*4); backward: layer 2 dW and dX (2 x 2N*16*4), layer 1 dW only
+    assert flops == 2 * n * (8 * 16 + 16 * 4) + 4 * n * 16 * 4 + 2 * n * 8 * 16
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert all(p.device.type == "cpu" and p.grad is None for p in model.parameters())
+
+
+def test_measure_ceilings_tflops_on_cpu():
+    ceil = L.measure_ceilings_tflops(("fp32", "tf32", "bf16"), "cpu", n=64,
+                                     min_run_time_s=0.02, rounds=2)
+    assert set(ceil) == {"fp32", "tf32", "bf16"} and all(v > 0 for v in ceil.values())
+    with pytest.raises(ValueError, match="kinds"):
+        L.measure_ceilings_tflops(("fp64",), "cpu", n=64)
+    with pytest.raises(ValueError, match="rounds"):
+        L.measure_ceilings_tflops(("fp32",), "cpu", n=64, rounds=0)
+
+
+# ----------------------------------------------------------------------------- the runner
+
+CEIL = {"fp32": 0.05, "tf32": 0.05, "bf16": 0.05, "fp16": 0.05}
+
+
+def test_run_ladder_eager_rungs_and_a_cuda_rung_skipped_on_cpu(capsys):
+    fn = L.gpt_model_fn(TINY, seed=0)
+    base = L.TrainConfig(accum_steps=2)
+    flops = L.count_step_flops(fn(base), *tiny_batch(0), num_classes=TINY.vocab_size)
+    rungs = (L.Rung("fp32 eager", {}), L.Rung("bf16", {"amp": "bf16"}),
+             L.Rung("graphs", {"compile": "reduce-overhead", "accum_steps": 1}, needs_cuda=True),
+             L.Rung("sdpa", {"sdpa": True}))
+    results = L.run_ladder(fn, tiny_batch, steps=4, flops_per_step=flops, ceilings=CEIL,
+                           base=base, rungs=rungs, device="cpu", num_classes=TINY.vocab_size,
+                           lr=1e-2, warmup_steps=2, loss_window=2, min_run_time_s=0.05,
+                           progress=False)
+    assert [r.name for r in results] == ["fp32 eager", "bf16", "graphs", "sdpa"]
+    skipped = results[2]
+    assert not skipped.ran and "CUDA" in skipped.skipped_reason
+    assert "SKIPPED" in capsys.readouterr().out
+    # the rung after a skipped one builds on the last rung that ran
+    assert results[3].config == L.TrainConfig(amp="bf16", sdpa=True, accum_steps=2)
+    fp32 = results[0]
+    assert fp32.ran and len(fp32.losses) == 4 and fp32.items_per_step == 8 * TINY.block_size
+    assert fp32.items_per_s == pytest.approx(fp32.items_per_step / (fp32.median_ms / 1e3))
+    assert fp32.mfu == pytest.approx(fp32.achieved_tflops / CEIL["fp32"])
+    assert fp32.final_loss == pytest.approx(sum(fp32.losses[-2:]) / 2)
+    assert fp32.peak_bytes > 0 and fp32.warmup_s > 0 and fp32.graphs_compiled == 0
+    # same weights, same batches: the first losses agree across rungs
+    for r in (results[1], results[3]):
+        assert r.losses[0] == pytest.approx(fp32.losses[0], rel=1e-2)
+    assert skipped.items_per_s is None and skipped.mfu is None and skipped.final_loss is None
+    table = L.ladder_table(results, ("bf16", CEIL["bf16"]))
+    assert "not run here" in table and "vs bf16" in table
+    fig = L.plot_ladder(results, reference=("bf16", CEIL["bf16"]))
+    assert len(fig.axes) == 4
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+
+
+def test_run_rung_compiled_counts_one_graph():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def batch(step):
+        g = torch.Generator().manual_seed(step)
+        return torch.randn(8, 8, generator=g), torch.randint(4, (8,), generator=g)
+
+    r = L.run_rung("compiled", L.TrainConfig(compile="default", accum_steps=2),
+                   lambda cfg: copy.deepcopy(model), batch, steps=3, flops_per_step=1000,
+                   ceilings=CEIL, device="cpu", num_classes=4, min_run_time_s=0.02,
+                   item_name="row")
+    assert r.ran and r.graphs_compiled == 1 and len(r.losses) == 3
+    assert r.peak_bytes is None and "not measured" in r.memory_method  # CPU tracker: eager only
+    assert r.items_per_step == 8 and r.item_name == "row"
+
+
+def test_run_rung_argument_errors():
+    fn = L.gpt_model_fn(TINY)
+    kw = dict(flops_per_step=1, device="cpu")
+    with pytest.raises(ValueError, match="ceiling"):
+        L.run_rung("x", L.TrainConfig(amp="bf16"), fn, tiny_batch, steps=2, ceilings={"fp32": 1.0},
+                   **kw)
+    with pytest.raises(ValueError, match="loss_window"):
+        L.run_rung("x", L.TrainConfig(), fn, tiny_batch, steps=2, ceilings=CEIL, loss_window=3,
+                   **kw)
+    with pytest.raises(ValueError, match="steps"):
+        L.run_rung("x", L.TrainConfig(), fn, tiny_batch, steps=0, ceilings=CEIL, **kw)
+    with pytest.raises(ValueError, match="unique"):
+        L.run_ladder(fn, tiny_batch, steps=1, ceilings=CEIL, rungs=(L.Rung("a", {}),
+                                                                    L.Rung("a", {})), **kw)
+    with pytest.raises(ValueError, match="reference"):
+        L.ladder_table([L.RungResult("a", L.TrainConfig(), ran=False)], ("bf16", 0.0))

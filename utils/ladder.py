@@ -1,0 +1,945 @@
+"""The speedup ladder: one training loop, the course's techniques as composable settings.
+
+A :class:`TrainConfig` is a handful of flags (TF32, autocast, SDPA, ``torch.compile``,
+fused AdamW, a padded vocabulary, gradient accumulation). :data:`LADDER` turns them on
+one rung at a time, the way a practitioner speeds up a real training loop, and
+:func:`run_ladder` trains any model on any batch function once per rung: the same
+initial weights, the same batches, a loss curve over a fixed number of steps, then
+ms/step, items/s, peak memory and MFU against a measured matmul ceiling.
+
+The split of work between the runner and your code:
+
+* the runner applies what touches the training loop: TF32, autocast (with a
+  ``GradScaler`` for fp16), ``torch.compile`` (model and loss together), fused AdamW,
+  gradient accumulation, CUDA graphs;
+* ``model_fn(config)`` builds the model, and applies what only it can know about:
+  the attention kernel (:func:`set_attention` for :class:`utils.TinyGPT`) and the
+  vocabulary size (:func:`padded_size`). :func:`gpt_model_fn` does both for TinyGPT.
+
+Example (a few lines for your own model)::
+
+    base = utils.ladder.TrainConfig(accum_steps=4)
+    results = utils.ladder.run_ladder(lambda cfg: MyNet(), lambda step: my_batch(step),
+                                      base=base, steps=20, flops_per_step=flops,
+                                      ceilings=utils.ladder.measure_ceilings_tflops(...),
+                                      num_classes=10, item_name="image")
+    print(utils.ladder.ladder_table(results))
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import gc
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .env import needs, pick_device, synchronize
+from .flops import count_flops, measure_matmul_tflops
+from .memory import format_bytes, measure_peak_memory, tensor_bytes
+from .models import CausalSelfAttention, GPTConfig, TinyGPT
+from .precision import tf32 as tf32_context
+from .timing import benchmark
+from .training import first_call_s
+
+__all__ = [
+    "AMP_DTYPES",
+    "COMPILE_MODES",
+    "TrainConfig",
+    "Rung",
+    "LADDER",
+    "default_ladder",
+    "RungResult",
+    "HandwrittenCausalSelfAttention",
+    "set_attention",
+    "padded_size",
+    "gpt_model_fn",
+    "LossModule",
+    "Trainer",
+    "count_step_flops",
+    "measure_ceilings_tflops",
+    "run_rung",
+    "run_ladder",
+    "ladder_table",
+    "plot_ladder",
+]
+
+AMP_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: ``torch.compile`` modes a rung may use; the first two with CUDA graphs.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+#: pytorch/pytorch#169545: CUDA graphs (cudagraph trees) overwrite a gradient buffer that
+#: the previous micro-batch's backward left in ``.grad``, so accumulation is wrong or fails.
+_CUDA_GRAPHS_ACCUM_ISSUE = "https://github.com/pytorch/pytorch/issues/169545"
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+# ----------------------------------------------------------------------------- the settings
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What a training step does, as flags; every rung of the ladder is one of these.
+
+    Attributes:
+        tf32: allow TF32 for fp32 matmuls and cuDNN convolutions (:func:`utils.tf32`).
+        amp: ``None`` (fp32), ``"bf16"`` (autocast) or ``"fp16"`` (autocast with a
+            ``torch.amp.GradScaler``).
+        sdpa: attention through ``F.scaled_dot_product_attention`` (flash kernels on a
+            GPU) instead of a hand-written softmax(QK^T)V. Applied by ``model_fn``.
+        compile: ``None`` (eager) or a ``torch.compile`` mode from :data:`COMPILE_MODES`;
+            the model and the loss are compiled together, with ``dynamic=False``.
+        fused_adamw: ``torch.optim.AdamW(..., fused=True)``: one kernel for the whole update.
+        vocab_multiple: pad the vocabulary (embedding and head rows) to a multiple of
+            this; 1 leaves it alone. Applied by ``model_fn``; the extra rows never get a
+            target, and the loss only sees the real classes.
+        accum_steps: micro-batches per optimizer step. The batch a step sees stays the
+            same; a smaller ``accum_steps`` means a larger micro-batch.
+
+    Raises:
+        ValueError: an unknown ``amp`` or ``compile`` value, a count below 1, or CUDA
+            graphs combined with gradient accumulation (see :data:`_CUDA_GRAPHS_ACCUM_ISSUE`).
+    """
+
+    tf32: bool = False
+    amp: str | None = None
+    sdpa: bool = False
+    compile: str | None = None
+    fused_adamw: bool = False
+    vocab_multiple: int = 1
+    accum_steps: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tf32", "sdpa", "fused_adamw"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"TrainConfig.{name} must be True or False, "
+                                f"got {getattr(self, name)!r}")
+        if self.amp is not None and self.amp not in AMP_DTYPES:
+            raise ValueError(f"TrainConfig.amp must be None (fp32), 'bf16' or 'fp16', "
+                             f"got {self.amp!r}")
+        if self.compile is not None and self.compile not in COMPILE_MODES:
+            raise ValueError(f"TrainConfig.compile must be None (eager) or one of "
+                             f"{', '.join(COMPILE_MODES)}, got {self.compile!r}")
+        _positive_int("TrainConfig.vocab_multiple", self.vocab_multiple)
+        _positive_int("TrainConfig.accum_steps", self.accum_steps)
+        if self.uses_cuda_graphs and self.accum_steps > 1:
+            raise ValueError(
+                f"TrainConfig: compile={self.compile!r} records CUDA graphs, which do not "
+                f"work with gradient accumulation (accum_steps={self.accum_steps}): a graph "
+                "replay overwrites the gradient buffer the previous micro-batch left in "
+                f".grad ({_CUDA_GRAPHS_ACCUM_ISSUE}). Use accum_steps=1, or "
+                "compile='max-autotune-no-cudagraphs' / 'default'.")
+
+    @property
+    def amp_dtype(self) -> torch.dtype | None:
+        """The autocast dtype, or ``None`` for fp32."""
+        return AMP_DTYPES[self.amp] if self.amp else None
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return self.compile in _CUDA_GRAPH_MODES
+
+    @property
+    def ceiling_kind(self) -> str:
+        """Which matmul ceiling this configuration's matmuls run against:
+        ``"bf16"``, ``"fp16"``, ``"tf32"`` or ``"fp32"``."""
+        if self.amp:
+            return self.amp
+        return "tf32" if self.tf32 else "fp32"
+
+    def changes_from(self, other: "TrainConfig") -> dict[str, Any]:
+        """The fields that differ from ``other``, with this config's values."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(other, f.name)}
+
+    def describe(self) -> str:
+        """One line: ``fp32, TF32 off, hand-written attention, eager, AdamW, vocab as is, accum 4``."""
+        parts = [f"{self.amp or 'fp32'}" + (" autocast" if self.amp else ""),
+                 f"TF32 {'on' if self.tf32 else 'off'}",
+                 "SDPA" if self.sdpa else "hand-written attention",
+                 f"compile={self.compile}" if self.compile else "eager",
+                 "fused AdamW" if self.fused_adamw else "AdamW",
+                 f"vocab padded to x{self.vocab_multiple}" if self.vocab_multiple > 1
+                 else "vocab as is",
+                 f"accum {self.accum_steps}"]
+        return ", ".join(parts)
+
+    # -- the same settings as command-line flags (train.py) ---------------------
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        """Add one flag per field to ``parser``; each defaults to ``None`` (not given).
+
+        :meth:`from_args` then applies the flags that were given on top of a base config.
+        """
+        g = parser.add_argument_group("ladder settings (each overrides the chosen rung)")
+        g.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,
+                       help="TF32 for fp32 matmuls (CUDA sm80+; no effect elsewhere)")
+        g.add_argument("--amp", choices=("fp32", *AMP_DTYPES), default=None,
+                       help="autocast dtype; fp32 = no autocast; fp16 adds a GradScaler")
+        g.add_argument("--attention", choices=("manual", "sdpa"), default=None,
+                       help="hand-written softmax(QK^T)V, or scaled_dot_product_attention")
+        g.add_argument("--compile", choices=("none", *COMPILE_MODES), default=None,
+                       help="torch.compile mode for the model and its loss; none = eager")
+        g.add_argument("--fused-adamw", action=argparse.BooleanOptionalAction, default=None,
+                       help="torch.optim.AdamW(fused=True)")
+        g.add_argument("--vocab-multiple", type=int, default=None, metavar="N",
+                       help="pad the vocabulary to a multiple of N (1: as is)")
+        g.add_argument("--accum-steps", type=int, default=None, metavar="K",
+                       help="micro-batches per optimizer step (the batch per step is fixed)")
+
+    def with_args(self, args: argparse.Namespace) -> "TrainConfig":
+        """This config with the flags of :meth:`add_arguments` that were given applied.
+
+        Raises:
+            ValueError: the resulting combination is invalid (the message says why).
+        """
+        changes: dict[str, Any] = {}
+        if getattr(args, "tf32", None) is not None:
+            changes["tf32"] = args.tf32
+        if getattr(args, "amp", None) is not None:
+            changes["amp"] = None if args.amp == "fp32" else args.amp
+        if getattr(args, "attention", None) is not None:
+            changes["sdpa"] = args.attention == "sdpa"
+        if getattr(args, "compile", None) is not None:
+            changes["compile"] = None if args.compile == "none" else args.compile
+        if getattr(args, "fused_adamw", None) is not None:
+            changes["fused_adamw"] = args.fused_adamw
+        if getattr(args, "vocab_multiple", None) is not None:
+            changes["vocab_multiple"] = args.vocab_multiple
+        if getattr(args, "accum_steps", None) is not None:
+            changes["accum_steps"] = args.accum_steps
+        return dataclasses.replace(self, **changes)
+
+    def to_flags(self) -> list[str]:
+        """The command-line flags that reproduce this config exactly (for train.py)."""
+        return [("--tf32" if self.tf32 else "--no-tf32"),
+                "--amp", self.amp or "fp32",
+                "--attention", "sdpa" if self.sdpa else "manual",
+                "--compile", self.compile or "none",
+                ("--fused-adamw" if self.fused_adamw else "--no-fused-adamw"),
+                "--vocab-multiple", str(self.vocab_multiple),
+                "--accum-steps", str(self.accum_steps)]
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One step up the ladder: a name, the settings it changes, and what it needs.
+
+    Attributes:
+        name: a short label for tables and plots.
+        changes: :class:`TrainConfig` fields and their new values.
+        needs_cuda: the rung only makes sense on a CUDA GPU; elsewhere it is shown as
+            not run, with the reason, and the next rung builds on the one before it.
+        language_model_only: the rung changes the attention or the vocabulary, so it
+            changes nothing in a model without them (a CNN).
+        why: one line on what the rung changes.
+    """
+
+    name: str
+    changes: Mapping[str, Any]
+    needs_cuda: bool = False
+    language_model_only: bool = False
+    why: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("a rung needs a name")
+        known = {f.name for f in dataclasses.fields(TrainConfig)}
+        unknown = sorted(set(self.changes) - known)
+        if unknown:
+            raise ValueError(f"rung {self.name!r} changes unknown TrainConfig field(s) "
+                             f"{unknown}; fields are {sorted(known)}")
+
+    def apply(self, cfg: TrainConfig) -> TrainConfig:
+        return dataclasses.replace(cfg, **dict(self.changes))
+
+
+def default_ladder(amp: str = "bf16") -> tuple[Rung, ...]:
+    """The course's ladder, cumulative, from fp32 eager to CUDA graphs.
+
+    The larger micro-batch comes right after SDPA, which frees the ``T x T`` attention
+    matrices that made small micro-batches necessary; the compiled rungs then all see
+    the same shapes, which keeps the compile count low. CUDA graphs come last: they
+    need one micro-batch per step (see :class:`TrainConfig`).
+
+    Args:
+        amp: the autocast rung's dtype: ``"bf16"`` (CPUs and sm80+ GPUs), or ``"fp16"``
+            (older GPUs; the runner adds a GradScaler).
+    """
+    if amp not in AMP_DTYPES:
+        raise ValueError(f"amp must be one of {list(AMP_DTYPES)}, got {amp!r}")
+    amp_name = "bf16 autocast" if amp == "bf16" else "fp16 autocast + GradScaler"
+    return (
+        Rung("fp32 eager", {}, why="fp32 matmuls, hand-written attention, for-each AdamW"),
+        Rung("TF32 matmuls", {"tf32": True},
+             why="fp32 matmuls on tensor cores with a 10-bit mantissa (sm80+ GPUs only)"),
+        Rung(amp_name, {"amp": amp}, why="matmuls in 16-bit, the loss and the weights in fp32"),
+        Rung("SDPA (flash)", {"sdpa": True}, language_model_only=True,
+             why="one fused attention kernel; never writes the T x T score matrix"),
+        Rung("bigger micro-batch", {"accum_steps": 1},
+             why="one large micro-batch instead of accumulating small ones (same batch/step)"),
+        Rung("torch.compile", {"compile": "default"},
+             why="the model and the loss fused into generated kernels"),
+        Rung("fused AdamW", {"fused_adamw": True}, why="the optimizer update in one kernel"),
+        Rung("vocab padded to 128", {"vocab_multiple": 128}, language_model_only=True,
+             why="embedding and head rows padded to a multiple of 128"),
+        Rung("CUDA graphs", {"compile": "reduce-overhead"}, needs_cuda=True,
+             why="the whole step replayed as one CUDA graph: no per-kernel launch cost"),
+    )
+
+
+LADDER: tuple[Rung, ...] = default_ladder()
+
+
+# ----------------------------------------------------------------------------- the model side
+
+class HandwrittenCausalSelfAttention(CausalSelfAttention):
+    """:class:`utils.TinyGPT`'s attention written out: ``softmax(Q K^T / sqrt(d)) V``.
+
+    The same parameters and the same function as the SDPA version, but it writes the
+    ``(batch, heads, T, T)`` score and probability matrices to memory, as a first
+    implementation does. :func:`set_attention` switches a model between the two.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        if self.training and self.dropout > 0:
+            probs = F.dropout(probs, p=self.dropout)
+        y = probs @ v
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+def set_attention(model: nn.Module, sdpa: bool) -> int:
+    """Make every TinyGPT attention layer of ``model`` use SDPA (``True``) or the
+    hand-written version (``False``), in place; the parameters are untouched.
+
+    Returns:
+        How many attention layers were switched (0 for a model without them).
+    """
+    if not isinstance(sdpa, bool):
+        raise TypeError(f"sdpa must be True or False, got {sdpa!r}")
+    target = CausalSelfAttention if sdpa else HandwrittenCausalSelfAttention
+    n = 0
+    for m in model.modules():
+        if isinstance(m, CausalSelfAttention):
+            m.__class__ = target
+            n += 1
+    return n
+
+
+def padded_size(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple`` (GPT-2: ``padded_size(50257, 128) == 50304``)."""
+    _positive_int("n", n)
+    _positive_int("multiple", multiple)
+    return -(-n // multiple) * multiple
+
+
+def gpt_model_fn(gpt_cfg: GPTConfig, seed: int = 0) -> Callable[[TrainConfig], TinyGPT]:
+    """A ``model_fn`` for :func:`run_ladder`: TinyGPT with the same initial weights every time.
+
+    The weights are drawn once (seed ``seed``, on the CPU, without touching the global
+    random state). For a config
+    with ``vocab_multiple > 1`` the embedding (tied to the head) gets zero rows up to
+    the padded size: they are never an input (no token id reaches them) and the loss
+    never sees their logits (:class:`LossModule` keeps the real classes only), so they
+    get no gradient and stay zero. The attention follows ``config.sdpa``.
+    """
+    with torch.random.fork_rng(devices=[]):  # leave the caller's random state alone
+        torch.manual_seed(seed)
+        template = TinyGPT(gpt_cfg)
+
+    def model_fn(cfg: TrainConfig) -> TinyGPT:
+        vocab = padded_size(gpt_cfg.vocab_size, cfg.vocab_multiple)
+        if vocab == gpt_cfg.vocab_size:
+            model = copy.deepcopy(template)
+        else:
+            with torch.random.fork_rng(devices=[]):  # its own draws are overwritten below
+                model = TinyGPT(dataclasses.replace(gpt_cfg, vocab_size=vocab))
+            state = template.state_dict()
+            emb = torch.zeros(vocab, gpt_cfg.n_embd)
+            emb[: gpt_cfg.vocab_size] = state["tok_emb.weight"]
+            state["tok_emb.weight"] = state["head.weight"] = emb
+            model.load_state_dict(state)
+        set_attention(model, cfg.sdpa)
+        return model
+
+    model_fn.template = template  # type: ignore[attr-defined]
+    return model_fn
+
+
+class LossModule(nn.Module):
+    """``model`` and its mean cross-entropy in one module, so that they compile together.
+
+    Logits beyond ``num_classes`` (a padded vocabulary's extra rows) are cut off before
+    the loss: it is computed over the real classes only, exactly as without padding.
+    """
+
+    def __init__(self, model: nn.Module, num_classes: int | None = None) -> None:
+        super().__init__()
+        if num_classes is not None:
+            _positive_int("num_classes", num_classes)
+        self.model = model
+        self.num_classes = num_classes
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.model(inputs)
+        if self.num_classes is not None and logits.shape[-1] != self.num_classes:
+            if logits.shape[-1] < self.num_classes:
+                raise ValueError(f"the model gives {logits.shape[-1]} logits per row, fewer than "
+                                 f"num_classes={self.num_classes}")
+            logits = logits[..., : self.num_classes]
+        return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+
+class Trainer:
+    """A model, its AdamW and the training step a :class:`TrainConfig` describes.
+
+    ``step(inputs, targets)`` takes one optimizer step on the whole batch: it splits the
+    batch into ``accum_steps`` equal micro-batches, runs each forward (under autocast,
+    compiled or not) and backward with the loss divided by ``accum_steps`` (so the
+    gradient is the mean over the batch, as one large micro-batch would give), then
+    steps AdamW (through the GradScaler for fp16) and the warm-up schedule. It returns
+    the batch's mean loss, detached.
+
+    Args:
+        model: the model, already on ``device`` (its forward gives logits).
+        cfg: the settings. TF32 is not set here: wrap the calls in ``utils.tf32(cfg.tf32)``
+            (:func:`run_rung` does).
+        device: where the model is.
+        num_classes: the real number of classes (the unpadded vocabulary).
+        lr, betas, weight_decay: AdamW's settings.
+        warmup_steps: linear learning-rate warm-up over this many steps (0: none).
+        wrap: applied to the :class:`LossModule` before compiling, e.g.
+            ``lambda m: DistributedDataParallel(m, device_ids=[rank])``; a wrapper with
+            ``no_sync()`` skips the gradient all-reduce on all but the last micro-batch.
+
+    Raises:
+        ValueError: CUDA graphs asked for on a device that is not CUDA.
+    """
+
+    def __init__(self, model: nn.Module, cfg: TrainConfig, *, device: str | torch.device,
+                 num_classes: int | None = None, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.1,
+                 warmup_steps: int = 0, wrap: Callable[[nn.Module], nn.Module] | None = None
+                 ) -> None:
+        if not isinstance(cfg, TrainConfig):
+            raise TypeError(f"cfg must be a TrainConfig, got {type(cfg).__name__}")
+        self.device = pick_device(device)
+        if cfg.uses_cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"compile={cfg.compile!r} records CUDA graphs: it needs a CUDA "
+                             f"device, not {self.device}")
+        if not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be a non-negative int, got {warmup_steps!r}")
+        self.cfg = cfg
+        self.model = model
+        self.loss_module: nn.Module = LossModule(model, num_classes)
+        if wrap is not None:
+            self.loss_module = wrap(self.loss_module)
+        self.forward: Callable[..., torch.Tensor] = self.loss_module
+        if cfg.compile:
+            self.forward = torch.compile(self.loss_module, mode=cfg.compile, dynamic=False)
+        extra = {"fused": True} if cfg.fused_adamw else {}
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas,
+                                           weight_decay=weight_decay, **extra)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
+        self.scaler = (torch.amp.GradScaler(self.device.type) if cfg.amp == "fp16" else None)
+        self.steps_done = 0
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.cfg.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.cfg.amp_dtype)
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One optimizer step on the batch ``(inputs, targets)``; returns its mean loss.
+
+        Raises:
+            ValueError: the batch does not split into ``accum_steps`` equal micro-batches.
+        """
+        k = self.cfg.accum_steps
+        n = inputs.shape[0]
+        if n % k or targets.shape[0] != n:
+            raise ValueError(f"a batch of {n} rows (targets: {targets.shape[0]}) does not split "
+                             f"into accum_steps={k} equal micro-batches")
+        if self.cfg.uses_cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=inputs.device)
+        no_sync = getattr(self.loss_module, "no_sync", None)
+        for i, (x, y) in enumerate(zip(inputs.chunk(k), targets.chunk(k))):
+            last = i == k - 1
+            sync = contextlib.nullcontext() if (last or no_sync is None) else no_sync()
+            with sync:
+                with self._autocast():
+                    loss = self.forward(x, y)
+                scaled = loss / k
+                if self.scaler is not None:
+                    scaled = self.scaler.scale(scaled)
+                scaled.backward()
+            total = total + loss.detach()  # an eager copy: safe from a CUDA-graph replay
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.steps_done += 1
+        return total / k
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model, optimizer, scheduler (and scaler) state for a checkpoint."""
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict(), "step": self.steps_done,
+                 "train_config": dataclasses.asdict(self.cfg)}
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return state
+
+
+# ----------------------------------------------------------------------------- FLOPs and ceilings
+
+def _to_meta(t: Any) -> Any:
+    return t.to("meta") if isinstance(t, torch.Tensor) else t
+
+
+def count_step_flops(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                     num_classes: int | None = None) -> int:
+    """FLOPs of one training step's forward and backward on ``(inputs, targets)``, counted
+    once with :func:`utils.count_flops` on the ``meta`` device (no memory, no compute).
+
+    Count with the baseline model (fp32, hand-written attention, unpadded vocabulary):
+    every rung computes the same function, so the same FLOPs serve for every rung's
+    MFU. The optimizer's elementwise update is not a matmul and is not counted.
+    """
+    meta_model = copy.deepcopy(model).to("meta")
+    module = LossModule(meta_model, num_classes)
+    x, y = _to_meta(inputs), _to_meta(targets)
+
+    def fwd_bwd() -> None:
+        module(x, y).backward()
+
+    return count_flops(fwd_bwd).total_flops
+
+
+def measure_ceilings_tflops(kinds: Sequence[str] = ("fp32", "tf32", "bf16"),
+                            device: str | torch.device | None = None, n: int = 4096,
+                            min_run_time_s: float = 0.5, rounds: int = 2) -> dict[str, float]:
+    """Measured TFLOP/s of an ``n x n`` matmul on this machine, per kind of matmul.
+
+    ``"fp32"`` runs with TF32 off, ``"tf32"`` is an fp32 matmul with TF32 allowed (the
+    same as fp32 where TF32 does not exist: CPUs, GPUs before sm80), ``"bf16"`` and
+    ``"fp16"`` are 16-bit matmuls (with fp32 accumulation). Each kind is measured with
+    :func:`utils.measure_matmul_tflops` in ``rounds`` interleaved rounds and the fastest
+    round is kept: other work on a shared machine only ever slows a matmul down, and a
+    ceiling that is too low would inflate every MFU measured against it.
+
+    Raises:
+        ValueError: an unknown kind, or ``rounds`` below 1.
+    """
+    known = ("fp32", "tf32", "bf16", "fp16")
+    bad = [k for k in kinds if k not in known]
+    if bad or not kinds:
+        raise ValueError(f"kinds must be a non-empty selection of {known}, got {list(kinds)}")
+    _positive_int("rounds", rounds)
+    dev = pick_device(device)
+    out: dict[str, float] = {}
+    for _ in range(rounds):
+        for kind in kinds:
+            dtype = AMP_DTYPES.get(kind, torch.float32)
+            with tf32_context(kind == "tf32"):
+                tflops = measure_matmul_tflops(dev, dtype, n, min_run_time_s)
+            out[kind] = max(out.get(kind, 0.0), tflops)
+    return out
+
+
+# ----------------------------------------------------------------------------- one rung
+
+@dataclass(frozen=True)
+class RungResult:
+    """What one rung measured (or why it did not run).
+
+    Times are per optimizer step (all micro-batches); ``items`` are what the targets
+    count: tokens for a language model, images for a classifier.
+    """
+
+    name: str
+    config: TrainConfig
+    ran: bool
+    skipped_reason: str = ""
+    median_ms: float | None = None
+    iqr_ms: float | None = None
+    items_per_step: int = 0
+    item_name: str = "token"
+    flops_per_step: int = 0
+    ceiling_kind: str = ""
+    ceiling_tflops: float | None = None
+    peak_bytes: int | None = None
+    memory_method: str = ""
+    warmup_s: float | None = None
+    graphs_compiled: int | None = None
+    losses: tuple[float, ...] = field(default=(), repr=False)
+    loss_window: int = 1
+
+    @property
+    def items_per_s(self) -> float | None:
+        """Throughput: items (tokens, images) per second."""
+        if not self.ran or not self.median_ms:
+            return None
+        return self.items_per_step / (self.median_ms / 1e3)
+
+    @property
+    def achieved_tflops(self) -> float | None:
+        if not self.ran or not self.median_ms or not self.flops_per_step:
+            return None
+        return self.flops_per_step / (self.median_ms / 1e3) / 1e12
+
+    @property
+    def mfu(self) -> float | None:
+        """Achieved TFLOP/s over the measured ceiling of the rung's own matmul kind."""
+        a = self.achieved_tflops
+        return None if a is None or not self.ceiling_tflops else a / self.ceiling_tflops
+
+    def mfu_against(self, ceiling_tflops: float) -> float | None:
+        """MFU against another ceiling (e.g. the bf16 one for every rung)."""
+        if not (isinstance(ceiling_tflops, (int, float)) and ceiling_tflops > 0):
+            raise ValueError(f"ceiling_tflops must be positive, got {ceiling_tflops!r}")
+        a = self.achieved_tflops
+        return None if a is None else a / ceiling_tflops
+
+    @property
+    def final_loss(self) -> float | None:
+        """Mean loss over the last ``loss_window`` steps of the curve."""
+        if not self.losses:
+            return None
+        w = self.losses[-self.loss_window:]
+        return sum(w) / len(w)
+
+
+def _graphs_compiled() -> int | None:
+    """Dynamo's count of graphs compiled so far in this process (None if unavailable)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return None
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _free_device_memory(dev: torch.device) -> None:
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_rung(name: str, cfg: TrainConfig, model_fn: Callable[[TrainConfig], nn.Module],
+             batch_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]], *, steps: int,
+             flops_per_step: int, ceilings: Mapping[str, float],
+             device: str | torch.device | None = None, num_classes: int | None = None,
+             lr: float = 1e-3, warmup_steps: int = 0, weight_decay: float = 0.1,
+             loss_window: int = 1, min_run_time_s: float = 1.0, item_name: str = "token",
+             on_step: Callable[[], None] | None = None) -> RungResult:
+    """Train a fresh model for ``steps`` steps under ``cfg``, then time and measure it.
+
+    1. ``torch.compiler.reset()`` for a compiled rung, so its compile count is its own;
+       a fresh model from ``model_fn(cfg)`` and its :class:`Trainer`.
+    2. The loss curve: steps ``0 .. steps-1`` on ``batch_fn(0) .. batch_fn(steps-1)``.
+       The first step is timed apart (``warmup_s``: compilation, allocation, autotuning).
+    3. Step time with :func:`utils.benchmark` on the next batch, ``batch_fn(steps)``.
+    4. Peak memory. On CUDA: the allocator's peak over the whole rung, above what was
+       allocated before it (weights, gradients, optimizer state, activations, CUDA-graph
+       pools). On a CPU: weights and optimizer state plus a step's own peak, measured with
+       :func:`utils.measure_peak_memory` on eager rungs only (its tensor tracker does not
+       see inside compiled kernels).
+
+    Everything runs inside ``utils.tf32(cfg.tf32)``, restored afterwards.
+
+    Raises:
+        ValueError: bad counts, a batch that does not split into ``cfg.accum_steps``, or a
+            ceiling missing for ``cfg.ceiling_kind``.
+    """
+    _positive_int("steps", steps)
+    _positive_int("loss_window", loss_window)
+    if loss_window > steps:
+        raise ValueError(f"loss_window ({loss_window}) must not exceed steps ({steps})")
+    if cfg.ceiling_kind not in ceilings:
+        raise ValueError(f"no measured ceiling for {cfg.ceiling_kind!r} matmuls (rung {name!r});"
+                         f" ceilings has {sorted(ceilings)}: measure it with "
+                         "measure_ceilings_tflops")
+    dev = pick_device(device)
+    if cfg.compile:
+        torch.compiler.reset()
+    _free_device_memory(dev)
+    with tf32_context(cfg.tf32):
+        start_bytes = 0
+        if dev.type == "cuda":
+            synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            start_bytes = torch.cuda.memory_allocated(dev)
+        trainer = Trainer(model_fn(cfg).to(dev), cfg, device=dev, num_classes=num_classes,
+                          lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps)
+        graphs_before = _graphs_compiled()
+        x0, y0 = batch_fn(0)
+        first: list[torch.Tensor] = []
+        warmup_s = first_call_s(lambda: first.append(trainer.step(x0, y0)), device=dev)
+        losses = first
+        if on_step:
+            on_step()
+        for i in range(1, steps):
+            losses.append(trainer.step(*batch_fn(i)))
+            if on_step:
+                on_step()
+        loss_values = tuple(float(v) for v in torch.stack(losses).float().cpu())
+        graphs_after = _graphs_compiled()
+        xt, yt = batch_fn(steps)
+        items = int(yt.numel())
+        timing = benchmark(trainer.step, xt, yt, label=name, device=dev,
+                           min_run_time_s=min_run_time_s, warmup=1, warn_if_noisy=False)
+        if dev.type == "cuda":
+            synchronize(dev)
+            peak: int | None = torch.cuda.max_memory_allocated(dev) - start_bytes
+            method = "CUDA allocator peak over the rung (weights, optimizer state, step)"
+        elif cfg.compile is None:
+            persistent = tensor_bytes(trainer.model.parameters()) + tensor_bytes(
+                v for st in trainer.optimizer.state.values() for v in st.values()
+                if isinstance(v, torch.Tensor))
+            peak = persistent + measure_peak_memory(trainer.step, xt, yt, device=dev).peak_bytes
+            method = "weights + optimizer state + one step's tracked tensors"
+        else:
+            peak = None
+            method = "not measured: the CPU tensor tracker does not see inside compiled kernels"
+    del trainer, first, losses
+    _free_device_memory(dev)
+    graphs = (None if graphs_before is None or graphs_after is None
+              else graphs_after - graphs_before)
+    return RungResult(
+        name=name, config=cfg, ran=True, median_ms=timing.median_ms, iqr_ms=timing.iqr_ms,
+        items_per_step=items, item_name=item_name, flops_per_step=int(flops_per_step),
+        ceiling_kind=cfg.ceiling_kind, ceiling_tflops=float(ceilings[cfg.ceiling_kind]),
+        peak_bytes=peak, memory_method=method, warmup_s=warmup_s, graphs_compiled=graphs,
+        losses=loss_values, loss_window=loss_window)
+
+
+def run_ladder(model_fn: Callable[[TrainConfig], nn.Module],
+               batch_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]], *,
+               steps: int, flops_per_step: int, ceilings: Mapping[str, float],
+               base: TrainConfig | None = None, rungs: Sequence[Rung] = LADDER,
+               device: str | torch.device | None = None, progress: bool = True,
+               **rung_kwargs: Any) -> list[RungResult]:
+    """Climb ``rungs`` from ``base``: each rung adds its changes to the last rung that ran.
+
+    A rung that needs CUDA on a machine without it is not run: it gets a result with
+    ``ran=False`` and the reason, and the next rung builds on the one before it.
+    ``rung_kwargs`` go to :func:`run_rung` (``num_classes``, ``lr``, ``warmup_steps``,
+    ``loss_window``, ``min_run_time_s``, ``item_name``, ...).
+
+    Returns:
+        One :class:`RungResult` per rung, in order; the first is the baseline.
+    """
+    if not rungs:
+        raise ValueError("run_ladder needs at least one rung")
+    names = [r.name for r in rungs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"rung names must be unique, got {names}")
+    dev = pick_device(device)
+    current = base if base is not None else TrainConfig()
+    results: list[RungResult] = []
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=steps * len(rungs), desc="ladder", unit="step")
+    try:
+        for rung in rungs:
+            candidate = rung.apply(current)
+            if rung.needs_cuda and dev.type != "cuda":
+                reason = (needs(cuda=True, quiet=True, what=f"rung {rung.name!r}").reason
+                          or f"SKIPPED rung {rung.name!r}: it runs on {dev}, and needs CUDA.")
+                print(reason)
+                results.append(RungResult(name=rung.name, config=candidate, ran=False,
+                                          skipped_reason=reason.split(": ", 1)[-1]))
+                if bar is not None:
+                    bar.update(steps)
+                continue
+            if bar is not None:
+                bar.set_postfix_str(rung.name)
+            results.append(run_rung(rung.name, candidate, model_fn, batch_fn, steps=steps,
+                                    flops_per_step=flops_per_step, ceilings=ceilings,
+                                    device=dev, on_step=(bar.update if bar is not None else None),
+                                    **rung_kwargs))
+            current = candidate
+    finally:
+        if bar is not None:
+            bar.close()
+    return results
+
+
+# ----------------------------------------------------------------------------- reading results
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _check_reference(reference: tuple[str, float] | None) -> None:
+    if reference is None:
+        return
+    if not (isinstance(reference, tuple) and len(reference) == 2
+            and isinstance(reference[1], (int, float)) and reference[1] > 0):
+        raise ValueError(f"reference must be (name, ceiling TFLOP/s > 0), got {reference!r}")
+
+
+def ladder_table(results: Sequence[RungResult],
+                 reference: tuple[str, float] | None = None) -> str:
+    """A text table: one row per rung, speedups against the first (baseline) rung.
+
+    Columns: ms/step, items/s, speedup over the baseline (``total``) and over the rung
+    before (``this``), peak memory, MFU against the rung's own ceiling, MFU against a
+    ``reference`` ceiling when given (e.g. ``("bf16", tflops)`` for every rung), warm-up
+    seconds (the first step, compilation included), graphs compiled, and the final loss.
+    """
+    if not results:
+        raise ValueError("ladder_table needs at least one result")
+    _check_reference(reference)
+    base = results[0]
+    unit = f"{base.item_name}s/s"
+    head = (f"{'rung':<27} {'ms/step':>9} {unit:>12} {'total':>7} {'this':>6} {'peak mem':>10} "
+            f"{'MFU':>6} " + (f"{'vs ' + reference[0]:>7} " if reference else "")
+            + f"{'warm-up':>8} {'graphs':>6} {'loss':>7}")
+    lines = [head]
+    prev = None
+    for r in results:
+        if not r.ran:
+            lines.append(f"{r.name:<27} not run here: {r.skipped_reason}")
+            continue
+        total = (base.median_ms / r.median_ms) if (base.ran and r.median_ms) else None
+        this = (prev.median_ms / r.median_ms) if (prev is not None and r.median_ms) else None
+        mem = format_bytes(r.peak_bytes) if r.peak_bytes is not None else "n/a"
+        vs_ref = f"{_fmt(r.mfu_against(reference[1]), '7.1%')} " if reference else ""
+        lines.append(
+            f"{r.name:<27} {_fmt(r.median_ms, '9.1f')} {_fmt(r.items_per_s, '12,.0f')} "
+            f"{_fmt(total, '6.2f')}x {_fmt(this, '5.2f')}x {mem:>10} {_fmt(r.mfu, '6.1%')} "
+            f"{vs_ref}{_fmt(r.warmup_s, '7.1f')}s "
+            f"{'-' if r.graphs_compiled is None else r.graphs_compiled:>6} "
+            f"{_fmt(r.final_loss, '7.4f')}")
+        prev = r
+    return "\n".join(lines)
+
+
+GAIN_COLOR, FLAT_COLOR, LOSS_COLOR, SKIP_COLOR = "#2ca02c", "#8c8c8c", "#d62728", "#ffffff"
+
+
+def plot_ladder(results: Sequence[RungResult], title: str = "", flat_band: float = 0.03,
+                reference: tuple[str, float] | None = None) -> Any:
+    """The ladder in one figure: a waterfall of speedups, MFU, loss curves and memory.
+
+    The waterfall (log scale) draws each rung as a bar from the speedup before it to the
+    speedup after it: green when it gained more than ``flat_band``, grey when it changed
+    the step time by less (it does not pay here), red when it made the step slower, and
+    a hatched empty bar, labelled with the reason, for a rung that did not run.
+
+    The MFU panel shows each rung against its own ceiling, and against ``reference``
+    (``(name, TFLOP/s)``) when given.
+
+    Returns:
+        The matplotlib Figure.
+    """
+    import matplotlib.pyplot as plt
+
+    from .plots import plain_log_ticks, use_style
+
+    if not results:
+        raise ValueError("plot_ladder needs at least one result")
+    _check_reference(reference)
+    base = results[0]
+    if not base.ran:
+        raise ValueError("the first rung is the baseline and must have run")
+    use_style()
+    fig, axes = plt.subplots(2, 2, figsize=(14, 9))
+    names = [r.name for r in results]
+    xs = list(range(len(results)))
+
+    # 1. waterfall of cumulative speedup
+    ax = axes[0, 0]
+    level = 1.0
+    for i, r in enumerate(results):
+        if not r.ran:
+            ax.bar(i, level * 1.15 - level / 1.15, bottom=level / 1.15, color=SKIP_COLOR,
+                   edgecolor="black", hatch="//", lw=0.8)
+            ax.annotate("not run\nhere", (i, level * 1.15), ha="center", va="bottom", fontsize=7)
+            continue
+        new = base.median_ms / r.median_ms
+        factor = new / level
+        color = (FLAT_COLOR if abs(factor - 1) <= flat_band or i == 0 else
+                 GAIN_COLOR if factor > 1 else LOSS_COLOR)
+        lo, hi = min(level, new), max(level, new)
+        if i == 0:
+            lo, hi = 1 / 1.03, 1.03
+        ax.bar(i, hi - lo, bottom=lo, color=color, edgecolor="black", lw=0.5)
+        ax.annotate(f"x{factor:.2f}" if i else "1x", (i, hi), ha="center", va="bottom",
+                    fontsize=7, xytext=(0, 2), textcoords="offset points")
+        if i + 1 < len(results):
+            ax.plot([i + 0.4, i + 0.6], [new, new], color="black", lw=0.6)
+        level = new
+    ax.set_yscale("log")
+    plain_log_ticks(ax)
+    ax.axhline(1.0, color="black", ls="--", lw=0.8)
+    ax.set_xticks(xs, names, rotation=35, ha="right")
+    ax.set_ylabel(f"speedup vs {base.name} (log)")
+    ax.set_title("each rung's contribution (green: pays, grey: within "
+                 f"{flat_band:.0%}, red: slower)")
+
+    # 2. MFU
+    ax = axes[0, 1]
+    ran = [r for r in results if r.ran]
+    mfu = [100 * (r.mfu or 0) for r in ran]
+    pos = [names.index(r.name) for r in ran]
+    ax.bar(pos, mfu, color="#1f77b4", label="vs the rung's own ceiling")
+    if reference:
+        ax.plot(pos, [100 * (r.mfu_against(reference[1]) or 0) for r in ran], "o",
+                color="#ff7f0e", label=f"vs the {reference[0]} ceiling")
+        ax.legend(loc="upper left")
+    ax.set_xticks(xs, names, rotation=35, ha="right")
+    ax.set_ylabel("MFU (%)")
+    ax.set_title("model FLOPs utilisation (measured ceilings)")
+
+    # 3. loss curves
+    ax = axes[1, 0]
+    for r in ran:
+        ref = r is base
+        ax.plot(range(1, len(r.losses) + 1), r.losses, label=r.name, lw=4 if ref else 1.2,
+                alpha=0.35 if ref else 0.9)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title("loss curves: same initial weights, same batches")
+    ax.legend(fontsize=7, ncol=2)
+
+    # 4. memory
+    ax = axes[1, 1]
+    mem = [(names.index(r.name), r.peak_bytes / 2**20) for r in ran if r.peak_bytes is not None]
+    if mem:
+        ax.bar([p for p, _ in mem], [m for _, m in mem], color="#9467bd")
+    top = max((m for _, m in mem), default=1.0)
+    for r in results:
+        if r.ran and r.peak_bytes is None:
+            ax.annotate("not\nmeasured", (names.index(r.name), 0.02 * top), ha="center",
+                        fontsize=7)
+    ax.set_xticks(xs, names, rotation=35, ha="right")
+    ax.set_ylabel("peak memory (MiB)")
+    ax.set_title("peak memory: " + (base.memory_method or ""), fontsize=8)
+
+    fig.suptitle(title or "the speedup ladder")
+    fig.tight_layout()
+    return fig
