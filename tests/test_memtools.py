@@ -353,3 +353,32 @@ def test_host_memory_sees_a_large_allocation():
     if reset:
         assert after.peak_rss_bytes - before.peak_rss_bytes >= 60 * MIB
     assert after.peak_rss_bytes >= before.peak_rss_bytes
+
+
+# -- MemoryMeter -------------------------------------------------------------------------------
+
+def test_memory_meter_on_cpu():
+    from utils.memtools import MemoryMeter
+
+    old = torch.zeros(256, 1024)
+    with MemoryMeter("cpu") as m:
+        _ = old.view(-1)
+        a = torch.ones(256, 1024)
+        b = torch.ones(512, 1024)
+        del b
+        assert m.held_bytes == MIB and m.peak_bytes == 3 * MIB
+    assert m.peak_bytes == 3 * MIB and m.held_bytes == MIB
+    del a
+    assert m.held_bytes == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_memory_meter_on_cuda():
+    from utils.memtools import MemoryMeter
+
+    with MemoryMeter("cuda") as m:
+        a = torch.ones(256, 1024, device="cuda")
+        b = torch.ones(512, 1024, device="cuda")
+        del b
+    assert m.peak_bytes >= 3 * MIB and m.held_bytes >= MIB
+    del a

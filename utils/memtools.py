@@ -49,6 +49,7 @@ __all__ = [
     "MemoryEvent",
     "MemoryTimeline",
     "record_memory",
+    "MemoryMeter",
     "timeline_from_snapshot",
     "plot_memory_timeline",
     "BatchTrial",
@@ -382,6 +383,60 @@ class record_memory:
         with open(p, "wb") as fh:
             pickle.dump(self.snapshot, fh)
         return p
+
+
+class MemoryMeter:
+    """Tensor memory added by a block of code, on CUDA or a CPU: ``with MemoryMeter() as m:``.
+
+    ``m.held_bytes`` is what tensors created since the start still hold (readable
+    inside the block and after it), ``m.peak_bytes`` the highest it reached. On
+    CUDA these come from the caching allocator's counters
+    (``memory_allocated``, ``max_memory_allocated``, whose peak is reset at the
+    start); on a CPU from the same storage recorder as :class:`record_memory`,
+    which ignores views and in-place results. Lighter than
+    :class:`record_memory` on CUDA: no history is kept.
+    """
+
+    def __init__(self, device: str | torch.device | None = None) -> None:
+        self.device = pick_device(device)
+        self._recorder: _StorageRecorder | None = None
+        self._start = 0
+        self._peak: int | None = None
+
+    def __enter__(self) -> "MemoryMeter":
+        if self.device.type == "cuda":
+            synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+        else:
+            self._recorder = _StorageRecorder()
+            self._recorder.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._recorder is not None:
+            self._recorder.__exit__(*exc)
+            self._recorder.active = False
+            self._peak = self._recorder.peak_bytes
+        else:
+            synchronize(self.device)
+            self._peak = torch.cuda.max_memory_allocated(self.device) - self._start
+
+    @property
+    def held_bytes(self) -> int:
+        if self._recorder is not None:
+            return self._recorder.current_bytes
+        synchronize(self.device)
+        return torch.cuda.memory_allocated(self.device) - self._start
+
+    @property
+    def peak_bytes(self) -> int:
+        if self._peak is not None:
+            return self._peak
+        if self._recorder is not None:
+            return self._recorder.peak_bytes
+        synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - self._start
 
 
 def _site_from_frames(frames: Sequence[Mapping[str, Any]]) -> str:

@@ -1,0 +1,191 @@
+"""CUDA caching-allocator experiments, one fresh process per allocator setting.
+
+Notebook ``01_anatomy_of_training_memory`` runs this script with ``subprocess``,
+once per setting of ``PYTORCH_ALLOC_CONF`` (its older name, still read, is
+``PYTORCH_CUDA_ALLOC_CONF``). The caching allocator reads that variable once,
+when CUDA memory is first used; a process that changes it later keeps the old
+setting, which is why every setting gets a process of its own (``--set-late``
+shows exactly that).
+
+Experiments (``--experiment``):
+
+``holes``
+    Allocate ``--blocks`` tensors of ``--block-mib`` MiB, free every other one,
+    call ``torch.cuda.empty_cache()``, then ask for one tensor larger than any
+    hole. Reports allocated and reserved memory, segments and the allocator's
+    counters after each stage: what fragmentation looks like, and what
+    ``empty_cache`` can and cannot give back.
+``varlen``
+    Train ``utils.TinyGPT`` for ``--steps`` steps whose sequence length changes
+    every step (the same seeded lengths in every process): the peak allocated
+    against the peak reserved memory, cudaMalloc calls and retries, and the step
+    time.
+
+Without CUDA the script says so in its JSON result (``"cuda": false``) and
+exits 0: there is no caching allocator to measure on a CPU.
+
+Example::
+
+    PYTORCH_ALLOC_CONF=expandable_segments:True python alloc_probe.py --experiment holes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+MIB = 2**20
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--experiment", choices=("holes", "varlen"), required=True)
+    p.add_argument("--blocks", type=int, default=64, help="holes: how many tensors")
+    p.add_argument("--block-mib", type=int, default=4, help="holes: size of each, MiB")
+    p.add_argument("--big-mib", type=int, default=16, help="holes: the request after freeing")
+    p.add_argument("--steps", type=int, default=30, help="varlen: training steps")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=256)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--block-size", type=int, default=512)
+    p.add_argument("--set-late", default=None,
+                   help="set PYTORCH_ALLOC_CONF to this *after* CUDA memory is in use (it is "
+                        "ignored: the allocator has read its settings already)")
+    p.add_argument("--out", default=None, help="also write the JSON result here")
+    args = p.parse_args(argv)
+    for name in ("blocks", "block_mib", "big_mib", "steps", "batch", "n_layer", "n_embd",
+                 "n_head", "vocab_size", "block_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def allocator_view(torch) -> dict:
+    """What the allocator says about itself now."""
+    s = torch.cuda.memory_stats()
+    segments = torch.cuda.memory._snapshot()["segments"]
+    return {
+        "allocated_bytes": torch.cuda.memory_allocated(),
+        "reserved_bytes": torch.cuda.memory_reserved(),
+        "segments": len(segments),
+        "expandable_segments": sum(bool(seg.get("is_expandable")) for seg in segments),
+        "inactive_split_bytes": s.get("inactive_split_bytes.all.current", 0),
+        "num_alloc_retries": s.get("num_alloc_retries", 0),
+        "num_device_alloc": s.get("num_device_alloc"),  # cudaMalloc calls (newer torch)
+        "num_device_free": s.get("num_device_free"),
+        "oversize_allocations": s.get("oversize_allocations.current"),
+    }
+
+
+def settings(torch) -> dict:
+    """The allocator settings as the process sees them."""
+    read = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    try:
+        raw = read() if read is not None else None
+    except RuntimeError:
+        raw = None
+    return {
+        "env": {v: os.environ.get(v) for v in CONF_VARS if os.environ.get(v) is not None},
+        "allocator_settings": raw,
+        "backend": torch.cuda.get_allocator_backend(),
+        "max_split_size": torch.cuda.memory_stats().get("max_split_size"),
+    }
+
+
+def exp_holes(torch, args) -> dict:
+    stages = {}
+    blocks = [torch.empty(args.block_mib * MIB, dtype=torch.uint8, device="cuda")
+              for _ in range(args.blocks)]
+    torch.cuda.synchronize()
+    stages["allocated"] = allocator_view(torch)
+    blocks = blocks[1::2]  # free every other tensor: holes between live tensors
+    stages["every other freed"] = allocator_view(torch)
+    torch.cuda.empty_cache()
+    stages["after empty_cache"] = allocator_view(torch)
+    big = torch.empty(args.big_mib * MIB, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    stages[f"{args.big_mib} MiB requested"] = allocator_view(torch)
+    del big, blocks
+    torch.cuda.empty_cache()
+    stages["all freed, empty_cache"] = allocator_view(torch)
+    return {"stages": stages}
+
+
+def exp_varlen(torch, args) -> dict:
+    import utils
+    from utils.distributed import step_times_ms
+
+    cfg = utils.GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size,
+                          n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    torch.manual_seed(0)
+    model = utils.TinyGPT(cfg).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    lo = max(8, args.block_size // 8)
+    lengths = [int(v) for v in torch.randint(lo, args.block_size + 1, (args.steps + 1,),
+                                             generator=g)]
+    batches = [utils.lm_batch(cfg, args.batch, seq_len=t, device="cuda", seed=i)
+               for i, t in enumerate(lengths)]
+    utils.train_step(model, opt, *batches[0])  # optimizer state, cuBLAS workspace
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    it = iter(batches[1:])
+    times = step_times_ms(lambda: utils.train_step(model, opt, *next(it)), args.steps,
+                          torch.device("cuda"))
+    s = torch.cuda.memory_stats()
+    view = allocator_view(torch)
+    return {
+        "seq_lengths": lengths[1:],
+        "median_step_ms": statistics.median(times),
+        "peak_allocated_bytes": s["allocated_bytes.all.peak"],
+        "peak_reserved_bytes": s["reserved_bytes.all.peak"],
+        "end": view,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    result: dict = {"experiment": args.experiment, "torch": torch.__version__,
+                    "cuda": torch.cuda.is_available()}
+    if not torch.cuda.is_available():
+        result["reason"] = "no CUDA device: the caching allocator exists on CUDA only"
+        result["env"] = {v: os.environ.get(v) for v in CONF_VARS if os.environ.get(v)}
+    else:
+        torch.cuda.init()
+        first = torch.empty(MIB, device="cuda")  # CUDA memory in use: the settings are read
+        if args.set_late is not None:
+            os.environ["PYTORCH_ALLOC_CONF"] = args.set_late
+            result["set_late"] = args.set_late
+        del first
+        torch.cuda.empty_cache()
+        result["settings"] = settings(torch)
+        result["gpu"] = torch.cuda.get_device_name()
+        try:
+            result.update(exp_holes(torch, args) if args.experiment == "holes"
+                          else exp_varlen(torch, args))
+            result["oom"] = None
+        except getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError) as exc:
+            # report it; the notebook says what it means
+            result["oom"] = str(exc).splitlines()[0]
+    text = json.dumps(result)
+    if args.out:
+        Path(args.out).write_text(text, encoding="utf-8")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""Checkpoint experiments that need a process of their own.
+
+Notebook ``05_checkpoints_and_loading`` runs this script with ``subprocess``:
+
+``write``
+    Saves a checkpoint of about ``--mib`` MiB (random fp32 tensors and a step
+    counter), either with a plain ``torch.save(state, path)`` or with
+    ``utils.checkpoint.atomic_save``. ``--throttle-mib-s`` slows every write
+    to that rate (a stand-in for a slow or network file system), so that the
+    notebook can kill the process in the middle of the save, as a crash, a
+    pre-empted job or the out-of-memory killer would. The script prints one
+    ``saving`` line when the write starts and ``saved`` when it is done.
+
+``load``
+    Loads a ``utils.TinyGPT`` checkpoint (a ``state_dict``) into a model and
+    reports this process's peak resident memory, from the operating system's
+    own accounting (``VmHWM`` in ``/proc/self/status``, or ``ru_maxrss``),
+    above what it held after importing torch. ``--mode plain`` is the usual
+    recipe: build the model (its memory is allocated and initialised), then
+    ``model.load_state_dict(torch.load(path, weights_only=True))``.
+    ``--mode mmap`` builds the model on the meta device (no memory), maps the
+    file with ``torch.load(..., mmap=True)`` and hands the mapped tensors to
+    the model with ``load_state_dict(..., assign=True)``. Both then read every
+    weight once (a checksum), so that the model is really usable, and print a
+    JSON result as the last line of stdout.
+
+``make``
+    Writes a TinyGPT ``state_dict`` of the given size for ``load``.
+
+A fresh process per measurement matters: a process's peak memory only grows,
+and an allocator keeps freed memory for reuse, so a second load measured in the
+same process would be flattered (or blamed) by the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script from anywhere: the course's utils package
+    sys.path.insert(0, str(REPO))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    w = sub.add_parser("write", help="save a checkpoint (optionally slowly, to be killed)")
+    w.add_argument("--path", required=True)
+    w.add_argument("--mib", type=float, default=64.0, help="approximate size of the tensors")
+    w.add_argument("--step", type=int, default=2)
+    w.add_argument("--atomic", action="store_true", help="use utils.checkpoint.atomic_save")
+    w.add_argument("--throttle-mib-s", type=float, default=None,
+                   help="write at most this many MiB per second")
+    for name in ("load", "make"):
+        q = sub.add_parser(name)
+        q.add_argument("--path", required=True)
+        q.add_argument("--n-layer", type=int, default=4)
+        q.add_argument("--n-embd", type=int, default=256)
+        q.add_argument("--n-head", type=int, default=4)
+        q.add_argument("--vocab-size", type=int, default=8192)
+        q.add_argument("--block-size", type=int, default=256)
+        if name == "load":
+            q.add_argument("--mode", choices=("plain", "mmap"), required=True)
+    args = p.parse_args(argv)
+    for name in ("mib", "throttle_mib_s", "n_layer", "n_embd", "n_head", "vocab_size",
+                 "block_size"):
+        v = getattr(args, name, None)
+        if v is not None and v <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive")
+    return args
+
+
+class Throttled:
+    """A file object that passes writes on at most ``rate`` bytes per second."""
+
+    CHUNK = 256 * 1024
+
+    def __init__(self, f, rate_bytes_s: float) -> None:
+        self.f, self.rate = f, rate_bytes_s
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        for i in range(0, len(view), self.CHUNK):
+            piece = view[i:i + self.CHUNK]
+            self.f.write(piece)
+            self.f.flush()  # let the file grow on disk as it is written
+            time.sleep(len(piece) / self.rate)
+        return len(view)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+def cmd_write(args: argparse.Namespace) -> int:
+    import torch
+
+    from utils.checkpoint import atomic_save
+
+    if args.throttle_mib_s:
+        real_save, rate = torch.save, args.throttle_mib_s * 2**20
+
+        def slow_save(obj, f, *a, **k):
+            if hasattr(f, "write"):
+                return real_save(obj, Throttled(f, rate), *a, **k)
+            with open(f, "wb") as fh:  # what torch.save(obj, path) does: truncate, then write
+                return real_save(obj, Throttled(fh, rate), *a, **k)
+
+        torch.save = slow_save  # both ways of saving now write through the slow "disk"
+    n = max(1, int(args.mib * 2**20 / 4 / 8))
+    g = torch.Generator().manual_seed(args.step)
+    state = {"step": args.step,
+             "model": {f"w{i}": torch.randn(n, generator=g) for i in range(8)}}
+    print(f"saving step {args.step} ({'atomic_save' if args.atomic else 'torch.save'}) "
+          f"to {args.path}", flush=True)
+    if args.atomic:
+        atomic_save(state, args.path)
+    else:
+        torch.save(state, args.path)
+    print("saved", flush=True)
+    return 0
+
+
+def _config(args: argparse.Namespace):
+    import utils
+
+    return utils.GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size,
+                           n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+
+
+def cmd_make(args: argparse.Namespace) -> int:
+    import torch
+
+    import utils
+    from utils.checkpoint import atomic_save
+
+    torch.manual_seed(0)
+    model = utils.TinyGPT(_config(args))
+    path = atomic_save(model.state_dict(), args.path)
+    print(json.dumps({"path": str(path), "file_bytes": path.stat().st_size,
+                      "param_bytes": utils.tensor_bytes(model.parameters())}))
+    return 0
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    import torch
+
+    import utils
+    from utils.memtools import host_memory, reset_peak_host_memory
+
+    cfg = _config(args)
+    torch.set_num_threads(1)
+    # Warm up every code path once at a tiny size: the first meta-device model, the first
+    # torch.load and the first load_state_dict import modules and build tables (tens of MiB)
+    # that have nothing to do with the checkpoint's size.
+    tiny = utils.GPTConfig(vocab_size=16, block_size=4, n_layer=1, n_head=1, n_embd=8)
+    warm = Path(args.path).with_name(Path(args.path).name + ".warmup.pt")
+    torch.save(utils.TinyGPT(tiny).state_dict(), warm)
+    for mmap in (False, True):
+        with torch.device("meta"):
+            m = utils.TinyGPT(tiny)
+        m.load_state_dict(torch.load(warm, weights_only=True, mmap=mmap), assign=True)
+        utils.TinyGPT(tiny).load_state_dict(torch.load(warm, weights_only=True, mmap=mmap))
+    del m
+    warm.unlink()
+    reset = reset_peak_host_memory()
+    before = host_memory()
+    t0 = time.perf_counter()
+    if args.mode == "plain":
+        model = utils.TinyGPT(cfg)  # allocated and initialised, then overwritten
+        model.load_state_dict(torch.load(args.path, weights_only=True, map_location="cpu"))
+    else:
+        with torch.device("meta"):
+            model = utils.TinyGPT(cfg)  # shapes only: no memory, no initialisation
+        state = torch.load(args.path, weights_only=True, mmap=True, map_location="cpu")
+        model.load_state_dict(state, assign=True)
+        del state
+        # assign=True put the file's tensors in place one key at a time: the tied head and
+        # embedding are now two Parameters (sharing storage); tie them again.
+        model.head.weight = model.tok_emb.weight
+    load_s = time.perf_counter() - t0
+    with torch.no_grad():
+        checksum = sum(float(p.double().sum()) for p in model.parameters())  # reads every weight
+    after = host_memory()
+    base = before.rss_bytes if (reset and before.rss_bytes is not None) else before.peak_rss_bytes
+    result = {
+        "mode": args.mode,
+        "file_bytes": os.path.getsize(args.path),
+        "param_bytes": utils.tensor_bytes(model.parameters()),
+        "rss_before_bytes": before.rss_bytes,
+        "peak_rss_bytes": after.peak_rss_bytes,
+        "rss_after_bytes": after.rss_bytes,
+        "peak_above_start_bytes": after.peak_rss_bytes - base,
+        "peak_reset": reset,
+        "load_s": load_s,
+        "checksum": checksum,
+        "tied": model.head.weight is model.tok_emb.weight,
+        "n_parameters": len(list(model.parameters())),
+        "method": after.method,
+        "torch": torch.__version__,
+    }
+    print(json.dumps(result))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return {"write": cmd_write, "load": cmd_load, "make": cmd_make}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
