@@ -50,6 +50,11 @@ def test_op_counter_sees_autocast_casts_and_host_syncs():
     assert ops.total("addmm") == 1 and ("addmm", "bf16") in ops.counts
     _, plain = utils.count_aten_ops(lin, x)
     assert plain.casts == 0
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        _, inf_ops = utils.count_aten_ops(lin, x)  # seen as `to`, not `_to_copy`, here
+    assert inf_ops.casts == 3
+    _, same = utils.count_aten_ops(lambda: x.to(torch.float32).double().to(torch.float64))
+    assert same.casts == 1  # only the conversion that changed the dtype
     _, syncs = utils.count_aten_ops(lambda: [bool(t.sum() > 0) for t in x])
     assert syncs.host_syncs == 4
     _, none = utils.count_aten_ops(lambda: torch.stack([t.sum() > 0 for t in x]).any())

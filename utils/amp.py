@@ -137,6 +137,9 @@ def cpu_precision_support(cpuinfo_path: str = "/proc/cpuinfo") -> CPUPrecisionSu
                                avx512_fp16="avx512_fp16" in flags, amx_fp16="amx_fp16" in flags)
 
 
+# the ops a dtype conversion runs as (``to`` itself is seen under torch.inference_mode())
+_CAST_OPS = frozenset({"_to_copy", "to"})
+
 # aten ops that copy a tensor's value to the host and so wait for the device:
 # Tensor.item(), bool(t), float(t), int(t), and Python control flow on a tensor.
 HOST_SYNC_OPS = frozenset({"_local_scalar_dense"})
@@ -160,12 +163,17 @@ class AtenOpCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.counts: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.dtype_changes = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         first = out[0] if isinstance(out, (tuple, list)) and out else out
         dt = dtype_name(first.dtype) if isinstance(first, torch.Tensor) else "-"
-        self.counts[(func.overloadpacket.__name__, dt)] += 1
+        name = func.overloadpacket.__name__
+        self.counts[(name, dt)] += 1
+        if (name in _CAST_OPS and args and isinstance(args[0], torch.Tensor)
+                and isinstance(first, torch.Tensor) and args[0].dtype != first.dtype):
+            self.dtype_changes += 1
         return out
 
     def total(self, *ops: str) -> int:
@@ -174,8 +182,10 @@ class AtenOpCounter(TorchDispatchMode):
 
     @property
     def casts(self) -> int:
-        """Dtype conversions and copies (``_to_copy``)."""
-        return self.total("_to_copy")
+        """Dtype conversions: ``_to_copy`` (or, under ``torch.inference_mode()``, where the
+        dispatcher does not decompose it, ``to``) calls whose output dtype differs from
+        their input's."""
+        return self.dtype_changes
 
     @property
     def host_syncs(self) -> int:
