@@ -14,26 +14,42 @@ Two halves:
   process group with a timeout (so a lost peer raises instead of hanging) and
   always tears it down. :func:`write_rank_result` and :func:`read_rank_results`
   carry each rank's numbers back to the notebook as JSON files.
+
+Helpers the worker scripts share: :func:`add_gpt_args` / :func:`gpt_config` (the
+TinyGPT size options every script takes), :func:`step_times_ms` (a fixed-count
+step timer), and for checking an all-reduce at any rank count,
+:func:`exactly_summable` (data whose sums are exact in any order) and
+:func:`sum_error_bound` (how far a floating-point sum may be from the exact one).
+:func:`single_process_group` sets up a process group of one rank inside a
+notebook, for exercises that count collectives without a launch.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import gc
+import inspect
 import json
+import math
 import os
+import queue
 import re
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from .models import GPTConfig
 
 __all__ = [
     "DistributedLaunchError",
@@ -45,6 +61,11 @@ __all__ = [
     "write_rank_result",
     "read_rank_results",
     "step_times_ms",
+    "add_gpt_args",
+    "gpt_config",
+    "exactly_summable",
+    "sum_error_bound",
+    "single_process_group",
 ]
 
 _BACKENDS = ("gloo", "nccl")
@@ -98,8 +119,12 @@ def torchrun_command(script: str | os.PathLike, nproc: int = 2,
 
 def launch(script: str | os.PathLike, nproc: int = 2, args: Sequence[str] = (), *,
            timeout_s: float = 300, env: dict[str, str] | None = None,
-           cwd: str | os.PathLike | None = None, echo: bool = True) -> LaunchResult:
+           cwd: str | os.PathLike | None = None,
+           echo: bool | Callable[[str], Any] = True) -> LaunchResult:
     """Run ``script`` on ``nproc`` local processes with ``torchrun`` and wait for it.
+
+    The ranks' output (stdout and stderr together) is shown line by line *while
+    they run*, so a long launch is visibly alive, and kept for the error message.
 
     Args:
         script: path of the worker script (a real file: spawned processes
@@ -109,7 +134,9 @@ def launch(script: str | os.PathLike, nproc: int = 2, args: Sequence[str] = (), 
         timeout_s: kill the whole launch after this many seconds.
         env: extra environment variables for the workers.
         cwd: working directory (default: the script's folder).
-        echo: print the command before and the workers' output after.
+        echo: ``True`` prints the command, then every output line as it arrives;
+            ``False`` prints nothing; a function is called with each line (without
+            its newline) as it arrives, and nothing is printed.
 
     Raises:
         FileNotFoundError: the script does not exist.
@@ -121,6 +148,8 @@ def launch(script: str | os.PathLike, nproc: int = 2, args: Sequence[str] = (), 
     path = path.resolve()  # the ranks run in the script's folder (cwd below)
     if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
         raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
+    if not (isinstance(echo, bool) or callable(echo)):
+        raise TypeError(f"echo must be True, False or a function of one line, got {echo!r}")
     cmd = torchrun_command(path, nproc, args)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # torchrun sets OMP_NUM_THREADS=1 with a warning when it is unset; set it
@@ -128,38 +157,81 @@ def launch(script: str | os.PathLike, nproc: int = 2, args: Sequence[str] = (), 
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env.update(env or {})
     shown = " ".join(shlex.quote(c) for c in ["torchrun", *cmd[3:]])
-    if echo:
+    if echo is True:
         print(f"$ {shown}", flush=True)
+    on_line: Callable[[str], Any] | None
+    on_line = (lambda line: print(line, flush=True)) if echo is True else (echo or None)
+    lines: list[str] = []
     start = time.perf_counter()
+    deadline = start + timeout_s
     # This is subprocess.run(cmd, check=True, timeout=...) written out with Popen for
-    # one reason: on a timeout, run() kills only torchrun and leaves its ranks
-    # running (torchrun starts each in a session of its own); we stop them all.
+    # two reasons: the output is shown while the ranks run, not only at the end; and on
+    # a timeout, run() kills only torchrun and leaves its ranks running (torchrun
+    # starts each in a session of its own); we stop them all. A thread reads the pipe
+    # (a read blocks) and hands each line to this thread, which prints it: output
+    # printed from the notebook's own thread lands in the running cell.
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=full_env, cwd=str(cwd or path.parent)) as proc:
+                          bufsize=1, env=full_env, cwd=str(cwd or path.parent)) as proc:
+        pipe: queue.Queue[str | None] = queue.Queue()
+        reader = threading.Thread(target=_read_lines, args=(proc.stdout, pipe), daemon=True)
+        reader.start()
         try:
-            output, _ = proc.communicate(timeout=timeout_s)
+            while True:
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    raise subprocess.TimeoutExpired(cmd, timeout_s)
+                try:
+                    line = pipe.get(timeout=min(remaining, 1.0))
+                except queue.Empty:
+                    continue
+                if line is None:  # end of output: the launch is finishing
+                    break
+                lines.append(line)
+                if on_line is not None:
+                    on_line(line)
+            proc.wait(timeout=max(deadline - time.perf_counter(), 1.0))
         except subprocess.TimeoutExpired:
             _stop_launch(proc)
-            try:
-                output, _ = proc.communicate(timeout=10)
-            except subprocess.TimeoutExpired:
-                output = ""
+            reader.join(timeout=10)
+            lines.extend(_drain(pipe))
             raise DistributedLaunchError(
                 f"`{shown}` did not finish within {timeout_s:g} s and was killed (a rank may be "
-                f"waiting for a peer that died or never started). Last output:\n{_tail(output)}"
+                f"waiting for a peer that died or never started). "
+                f"Last output:\n{_tail(chr(10).join(lines))}"
             ) from None
         except BaseException:  # e.g. the notebook's interrupt button: leave no ranks behind
             _stop_launch(proc)
             raise
     wall = time.perf_counter() - start
+    output = "\n".join(lines)
     if proc.returncode != 0:
         raise DistributedLaunchError(
             f"`{shown}` failed with exit code {proc.returncode}: at least one rank raised. "
             f"The ranks' last output:\n{_ranks_output(output)}"
         )
-    if echo and output.strip():
-        print(output.rstrip())
     return LaunchResult(tuple(cmd), proc.returncode, output, wall)
+
+
+def _read_lines(stream, pipe: "queue.Queue[str | None]") -> None:
+    """Put every line of ``stream`` (without its newline) on ``pipe``, then ``None``."""
+    try:
+        for line in stream:
+            pipe.put(line.rstrip("\n"))
+    except (OSError, ValueError):  # the pipe was closed under us (the launch was stopped)
+        pass
+    finally:
+        pipe.put(None)
+
+
+def _drain(pipe: "queue.Queue[str | None]") -> list[str]:
+    out = []
+    while True:
+        try:
+            line = pipe.get_nowait()
+        except queue.Empty:
+            return out
+        if line is not None:
+            out.append(line)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -215,6 +287,15 @@ class WorkerInfo:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def barrier(self, group: Any = None) -> None:
+        """Wait until every rank (of ``group``) gets here; NCCL is told this rank's GPU."""
+        import torch.distributed as dist
+
+        if self.backend == "nccl":
+            dist.barrier(group=group, device_ids=[self.device.index])
+        else:
+            dist.barrier(group=group)
+
 
 def _env_int(name: str) -> int:
     value = os.environ.get(name)
@@ -264,19 +345,35 @@ def worker(backend: str | None = None, timeout_s: float = 120) -> Iterator[Worke
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(backend=backend, timeout=_dt.timedelta(seconds=timeout_s))
+    dist.init_process_group(backend=backend, timeout=_dt.timedelta(seconds=timeout_s),
+                            **_device_id_kwargs(backend, device))
+    info = WorkerInfo(rank, world, local_rank, local_world, backend, device)
     try:
-        yield WorkerInfo(rank, world, local_rank, local_world, backend, device)
+        yield info
         # On success only (a barrier after a failure would wait for a dead peer):
         # free what still holds communication state, and let every rank arrive
         # before any tears down. Without this, gloo ranks occasionally abort at exit.
         gc.collect()
-        if backend == "nccl":
-            dist.barrier(device_ids=[local_rank])
-        else:
-            dist.barrier()
+        info.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _device_id_kwargs(backend: str, device: torch.device) -> dict[str, Any]:
+    """``device_id=`` for ``init_process_group`` with NCCL, where this torch accepts it.
+
+    Binding the group to the rank's GPU makes NCCL create its communicator at once
+    (a wrong GPU or a broken NCCL fails here, not at the first collective), lets
+    sub-groups be split from it cheaply, and tells collectives which GPU is meant.
+    gloo ranks pass nothing: the argument is about accelerators.
+    """
+    import torch.distributed as dist
+
+    if backend != "nccl":
+        return {}
+    if "device_id" not in inspect.signature(dist.init_process_group).parameters:
+        return {}
+    return {"device_id": device}
 
 
 def step_times_ms(step: Callable[[], Any], n: int, device: torch.device, *,
@@ -310,6 +407,124 @@ def step_times_ms(step: Callable[[], Any], n: int, device: torch.device, *,
         synchronize(device)
         times.append((time.perf_counter() - t0) * 1e3)
     return times
+
+
+def add_gpt_args(parser: argparse.ArgumentParser, *, vocab: int = 512, seq_len: int = 64,
+                 n_layer: int = 2, n_head: int = 4, n_embd: int = 128) -> None:
+    """Add the :class:`~utils.TinyGPT` size options every worker script takes.
+
+    ``--vocab``, ``--seq-len``, ``--n-layer``, ``--n-head`` and ``--n-embd``, with
+    the given defaults; :func:`gpt_config` turns the parsed options into a config.
+    """
+    if not isinstance(parser, argparse.ArgumentParser):
+        raise TypeError(f"expected an argparse.ArgumentParser, got {type(parser).__name__}")
+    g = parser.add_argument_group("model (utils.TinyGPT)")
+    g.add_argument("--vocab", type=int, default=vocab, help="vocabulary size")
+    g.add_argument("--seq-len", type=int, default=seq_len, help="tokens per sequence")
+    g.add_argument("--n-layer", type=int, default=n_layer, help="transformer blocks")
+    g.add_argument("--n-head", type=int, default=n_head, help="attention heads")
+    g.add_argument("--n-embd", type=int, default=n_embd, help="model width")
+
+
+def gpt_config(args: argparse.Namespace, **overrides: int) -> "GPTConfig":
+    """The :class:`~utils.GPTConfig` of options added by :func:`add_gpt_args`.
+
+    ``overrides`` replace single sizes (``n_embd=256``), e.g. for a width sweep.
+    """
+    from .models import GPTConfig
+
+    sizes = {"vocab_size": args.vocab, "block_size": args.seq_len, "n_layer": args.n_layer,
+             "n_head": args.n_head, "n_embd": args.n_embd}
+    unknown = set(overrides) - set(sizes)
+    if unknown:
+        raise ValueError(f"unknown GPTConfig size(s) {sorted(unknown)}: use {sorted(sizes)}")
+    return GPTConfig(**{**sizes, **overrides})
+
+
+def exactly_summable(numel: int, seed: int, world_size: int,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Random values whose sum over ``world_size`` such tensors is exact in any order.
+
+    Each value is a random integer ``k`` times ``2**-8``, with ``|k|`` small enough
+    that every partial sum of up to ``world_size`` values is a multiple of ``2**-8``
+    that ``dtype`` represents exactly. Then every summation order (a ring, a tree,
+    one after the other) gives the same, exact result, so an all-reduce of such data
+    can be checked for equality at any number of ranks, not within a tolerance.
+
+    Args:
+        numel: number of values.
+        seed: seed of this tensor (e.g. ``1000 + rank``; the same seed, the same values).
+        world_size: how many such tensors will be summed (>= 1).
+        dtype: a floating-point dtype (float32, bfloat16, float16, float64).
+
+    Raises:
+        ValueError: bad sizes, or more ranks than ``dtype`` can sum exactly this way.
+    """
+    if not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
+    significand_bits = round(-math.log2(torch.finfo(dtype).eps)) + 1  # 24 for float32
+    # |sum of world_size values| <= world_size * k_max must stay below 2**(bits - 1).
+    k_bits = significand_bits - 1 - math.ceil(math.log2(world_size))
+    if k_bits < 1:
+        raise ValueError(f"{dtype} cannot sum {world_size} random values exactly "
+                         f"(at most {2 ** (significand_bits - 2)} ranks)")
+    k_max = 2 ** k_bits
+    k = torch.randint(-k_max, k_max + 1, (numel,), generator=torch.Generator().manual_seed(seed))
+    return (k.to(torch.float64) * 2.0 ** -8).to(dtype)
+
+
+def sum_error_bound(abs_sum: torch.Tensor, n_terms: int,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Largest possible |floating-point sum - exact sum| of ``n_terms`` terms.
+
+    For any order of the additions (sequential, ring, tree), a sum of ``n`` terms
+    in ``dtype`` makes at most ``n - 1`` roundings on the way to each result, so
+
+        |fl(sum) - sum| <= gamma(n - 1) * sum(|x_i|),  gamma(k) = k u / (1 - k u)
+
+    with ``u`` the unit roundoff (``2**-24`` for float32). The bound grows with
+    ``n``: a fixed tolerance that is right for 2 ranks fails at a few hundred.
+
+    Args:
+        abs_sum: ``sum(|x_i|)`` element by element (compute it in float64).
+        n_terms: how many terms were summed (the world size of an all-reduce).
+        dtype: the dtype the sum was computed in.
+    """
+    if not isinstance(n_terms, int) or n_terms < 1:
+        raise ValueError(f"n_terms must be a positive int, got {n_terms!r}")
+    u = torch.finfo(dtype).eps / 2
+    k = n_terms - 1
+    if k * u >= 1:
+        raise ValueError(f"{n_terms} terms are too many for a rounding bound in {dtype}")
+    return abs_sum * (k * u / (1 - k * u))
+
+
+@contextmanager
+def single_process_group(backend: str = "gloo", timeout_s: float = 60) -> Iterator[None]:
+    """A process group of one rank in this process (no torchrun), destroyed on exit.
+
+    DDP and ``dist.all_reduce`` work in it unchanged (with nothing to add), so a
+    notebook can run and count collectives without a launch. (FSDP2 and tensor
+    parallelism skip their collectives on a mesh of one rank: use a launch there.)
+
+    Raises:
+        RuntimeError: this process already has a default process group.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError("this process already has a process group: destroy it first "
+                           "(torch.distributed.destroy_process_group())")
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=_dt.timedelta(seconds=timeout_s))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def write_rank_result(out_dir: str | os.PathLike, rank: int, data: dict[str, Any]) -> Path:
