@@ -9,6 +9,9 @@ Every rank trains a copy of ``utils.TinyGPT`` on its shard of a global batch.
 
 * ``check``    one DDP step on the check batch; rank 0 saves the initial weights and
                its gradients so the notebook can recompute them on one process.
+* ``bucket_view`` where the gradients live with and without ``gradient_as_bucket_view``:
+               the bytes of gradients outside DDP's all-reduce buckets (counted from
+               the tensors, any device) and, on GPUs, the allocated memory.
 * ``comm``     step time with and without the gradient all-reduce (``no_sync``), for
                each per-rank batch in ``--comm-batches``; a profile of rank 0.
 * ``settings`` step time and all-reduce count for DDP constructor options
@@ -40,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import utils
 import utils.distributed as ud
 
-EXPERIMENTS = ("check", "comm", "settings", "accum", "amp")
+EXPERIMENTS = ("check", "bucket_view", "comm", "settings", "accum", "amp")
 CHECK_SEED, TIME_SEED = 1, 2  # seeds of the check batch and of the timed batches
 AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -55,12 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=120,
                    help="a collective that waits longer than this raises")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads per rank (0: keep)")
-    # the model
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
+    ud.add_gpt_args(p)  # --vocab, --seq-len, --n-layer, --n-head, --n-embd
     p.add_argument("--seed", type=int, default=0, help="seed of the model's initial weights")
     # batches and steps
     p.add_argument("--check-batch", type=int, default=4,
@@ -94,11 +92,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ----------------------------------------------------------------------------- helpers
-
-def config(a: argparse.Namespace) -> utils.GPTConfig:
-    return utils.GPTConfig(vocab_size=a.vocab, block_size=a.seq_len, n_layer=a.n_layer,
-                           n_head=a.n_head, n_embd=a.n_embd)
-
 
 def shard_of_global_batch(cfg, per_rank: int, w: ud.WorkerInfo, seed: int):
     """This rank's slice of one global batch (what a DistributedSampler would give it)."""
@@ -141,13 +134,6 @@ def counting_allreduce_hook(state, bucket):
     return default_hooks.allreduce_hook(None, bucket)  # None: the default process group
 
 
-def barrier(w: ud.WorkerInfo) -> None:
-    if w.backend == "nccl":
-        dist.barrier(device_ids=[w.local_rank])
-    else:
-        dist.barrier()
-
-
 def interleaved_times(variants: dict, a: argparse.Namespace, w: ud.WorkerInfo) -> dict:
     """Warm each variant up, then time them in rounds (A B C, A B C, ...) so that a
     machine that gets busier or quieter during the run affects every variant alike."""
@@ -158,7 +144,7 @@ def interleaved_times(variants: dict, a: argparse.Namespace, w: ud.WorkerInfo) -
     per_round = max(1, math.ceil(a.steps / a.rounds))
     for _ in range(a.rounds):
         for name, step in variants.items():
-            barrier(w)
+            w.barrier()
             times[name] += ud.step_times_ms(step, per_round, w.device)
     return times
 
@@ -198,6 +184,68 @@ def run_check(a, cfg, w, out):
     return res
 
 
+class BucketRecorder:
+    """State of ``recording_allreduce_hook``: the storages of the buckets DDP reduced."""
+
+    def __init__(self) -> None:
+        self.storages: dict[int, int] = {}  # data_ptr -> bytes
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lives inside one of the recorded bucket buffers."""
+        return t.untyped_storage().data_ptr() in self.storages
+
+
+def recording_allreduce_hook(state, bucket):
+    """DDP's default all-reduce of one bucket, noting which storage the bucket is."""
+    buf = bucket.buffer()
+    state.storages[buf.untyped_storage().data_ptr()] = buf.untyped_storage().nbytes()
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+def run_bucket_view(a, cfg, w, out):
+    """Gradient bytes outside DDP's buckets (and allocated GPU memory) after a backward,
+    with and without ``gradient_as_bucket_view``.
+
+    DDP all-reduces flat *buckets*. By default each parameter's ``.grad`` is a tensor of
+    its own: backward writes it, DDP copies it into the bucket, reduces the bucket and
+    copies the result back, so the gradients exist twice. With the option, ``.grad`` is a
+    view into the bucket. We look at one backward after two warm steps (DDP rebuilds its
+    buckets after the first), stopped before the optimizer step, when every gradient
+    exists. The model, batch and Adam state are the same in both runs, so the allocated
+    memory differs by the gradients' second copy, if the option works.
+    """
+    cuda = w.device.type == "cuda"
+    x, y = shard_of_global_batch(cfg, a.batch, w, seed=TIME_SEED)
+    res = {}
+    for name, opts in (("default", {}),
+                       ("gradient_as_bucket_view", {"gradient_as_bucket_view": True})):
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+            base = torch.cuda.memory_allocated(w.device)
+        ddp, opt = build_ddp(cfg, w, a.seed, **opts)
+        rec = BucketRecorder()
+        ddp.register_comm_hook(rec, recording_allreduce_hook)
+        for _ in range(2):
+            utils.train_step(ddp, opt, x, y)
+        rec.storages.clear()                      # keep only the buckets of this backward
+        opt.zero_grad(set_to_none=True)
+        loss_of(ddp, x, y).backward()
+        utils.synchronize(w.device)
+        grads = [p.grad for p in ddp.parameters()]
+        res[name] = {
+            "grad_bytes": sum(g.numel() * g.element_size() for g in grads),
+            "grad_bytes_outside_buckets": sum(g.numel() * g.element_size() for g in grads
+                                              if not rec.holds(g)),
+            "bucket_bytes": sum(rec.storages.values()),
+            "buckets": len(rec.storages),
+            "cuda_allocated_bytes": (torch.cuda.memory_allocated(w.device) - base
+                                     if cuda else None),
+        }
+        del ddp, opt, grads
+    return res
+
+
 def run_comm(a, cfg, w, out):
     """Step time with the gradient all-reduce (a normal DDP step) and without it
     (the same step inside ``no_sync``) for each per-rank batch size."""
@@ -224,7 +272,7 @@ def run_comm(a, cfg, w, out):
         if w.device.type == "cuda":
             acts.append(torch.profiler.ProfilerActivity.CUDA)
         ctx = torch.profiler.profile(activities=acts) if w.is_main else contextlib.nullcontext()
-        barrier(w)
+        w.barrier()
         with ctx as prof:
             for _ in range(a.profile_steps):
                 utils.train_step(ddp, opt, x, y)
@@ -372,7 +420,7 @@ def run_amp(a, cfg, w, out):
     return res
 
 
-RUNNERS = {"check": run_check, "comm": run_comm, "settings": run_settings,
+RUNNERS = {"check": run_check, "bucket_view": run_bucket_view, "comm": run_comm, "settings": run_settings,
            "accum": run_accum, "amp": run_amp}
 
 
@@ -382,8 +430,11 @@ def main(argv=None) -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     backend = None if a.backend == "auto" else a.backend
+    # fp32 means fp32 here: the gradients are checked against fp32 on one process, so TF32
+    # matmuls (off by default in torch; an image or a site config may turn them on) stay off.
+    utils.set_tf32(False)
     with ud.worker(backend=backend, timeout_s=a.timeout_s) as w:
-        cfg = config(a)
+        cfg = ud.gpt_config(a)
         result = {"backend": w.backend, "world_size": w.world_size, "device": str(w.device),
                   "threads": torch.get_num_threads()}
         for name in a.experiments:
@@ -396,7 +447,7 @@ def main(argv=None) -> None:
         # gloo's pending work) while Python is fully alive, then let every rank arrive
         # before the group is destroyed. Without this, a gloo rank can abort at exit.
         gc.collect()
-        barrier(w)
+        w.barrier()
 
 
 if __name__ == "__main__":
