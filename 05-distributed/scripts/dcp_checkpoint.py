@@ -6,16 +6,19 @@ Two phases, chosen with ``--phases``:
 
 ``resume``
     Train ``--steps`` steps, then checkpoint the model and the Adam state at that step three
-    ways: ``dcp.save`` (every rank writes its own shards), ``dcp.async_save`` (the same, written
-    by a background thread while training goes on) and the old way (gather the full state dict
-    to rank 0 and ``torch.save`` it). Train ``--steps`` more steps: the *uninterrupted* losses.
+    ways: ``dcp.save`` (every rank writes its own shards), ``dcp.async_save`` (the same, copied
+    to CPU memory and written by background threads while training goes on; the next
+    optimizer step waits for the copy) and the old way (gather the full state dict to rank 0
+    and ``torch.save`` it). Train ``--steps`` more steps: the *uninterrupted* losses.
     Then build a fresh model, load the DCP checkpoint into it and train the same steps again:
     the *resumed* losses. The notebook loads the same checkpoint into one process, too.
 
 ``time``
     How long each way of checkpointing blocks the training loop: ``--time-rounds`` rounds
     (plus one warm-up) of ``--time-steps`` steps, a ``dcp.save``, the old way, a
-    ``dcp.async_save`` and ``--time-steps`` steps while it is written in the background.
+    ``dcp.async_save`` and ``--time-steps`` steps while it is written in the background
+    (for ``async_save``, the blocking time is the call plus the first optimizer step's
+    wait for the staging copy).
 
 Every rank writes what it measured to ``--out/rank<k>.json``; the checkpoints go under
 ``--ckpt``. Run by hand:
@@ -28,11 +31,13 @@ import argparse
 import gc
 import shutil
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
@@ -44,6 +49,11 @@ import utils.distributed as ud
 # and its helpers, reused rather than copied (this folder is on sys.path for its scripts).
 from fsdp_memory import (FSDP_IMPORT, add_model_args, apply_fsdp2, global_mean, local,
                          model_config, new_model, rank_slice)
+
+try:  # torch >= 2.9: a stager that copies the state in a background thread
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+except ImportError:  # older torch: async_save stages before it returns
+    DefaultStager = StagingOptions = None
 
 PHASES = ("resume", "time")
 
@@ -65,15 +75,49 @@ def save(model, optimizer, path, pg):
     dcp.save(training_state(model, optimizer), checkpoint_id=path, process_group=pg)
 
 
-def async_save(model, optimizer, path, pg):
-    """Like ``save``, but returns once the state is copied (staged) to CPU memory.
+def make_stager(device):
+    """How ``async_save`` copies the state to CPU memory: in a background thread, so that
+    the copy overlaps the next forward and backward (into pinned memory, with non-blocking
+    copies, on GPUs). ``None`` where this torch has no ``DefaultStager`` (before 2.9): then
+    ``async_save`` copies before it returns. Close it after the last checkpoint."""
+    if DefaultStager is None:
+        return None
+    on_gpu = device.type == "cuda"
+    return DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False,
+                                        use_async_staging=True, use_non_blocking_copy=on_gpu))
 
-    A background thread writes the copy while training continues. Wait on the returned
-    future before the next checkpoint (and before exiting).
+
+def async_save(model, optimizer, path, pg, stager=None):
+    """Start a checkpoint and return two futures, ``(staging, upload)``.
+
+    ``staging`` is done once this rank's state is copied (staged) to CPU memory. Until
+    then the copy is still reading the live weights and Adam state, so the next
+    ``optimizer.step()``, which changes them in place, must wait for it (``train_step``
+    below does). ``upload`` is done once the files are written: wait for it before the
+    next checkpoint and before the program exits.
     """
-    fut = dcp.async_save(training_state(model, optimizer), checkpoint_id=path, process_group=pg)
-    # Newer torch can return an AsyncSaveResponse (staging + upload futures) instead.
-    return getattr(fut, "upload_completion", fut)
+    extra = {"async_stager": stager} if stager is not None else {}
+    response = dcp.async_save(training_state(model, optimizer), checkpoint_id=path,
+                              process_group=pg, **extra)
+    if hasattr(response, "staging_completion"):  # AsyncSaveResponse: staging in the background
+        return response.staging_completion, response.upload_completion
+    staged = Future()  # a plain Future: the copy was made before async_save returned
+    staged.set_result(None)
+    return staged, response
+
+
+def train_step(model, optimizer, x, y, staging=None):
+    """``utils.train_step``, except that the optimizer step first waits for ``staging``
+    (a pending checkpoint's copy of the weights). Returns (loss, seconds waited)."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(x).flatten(0, -2).float(), y.flatten())
+    loss.backward()                       # forward and backward only read the weights
+    t0 = time.perf_counter()
+    if staging is not None:
+        staging.result()                  # the copy must be complete before the weights change
+    waited = time.perf_counter() - t0
+    optimizer.step()
+    return loss.detach(), waited
 
 
 def load(model, optimizer, path, pg):
@@ -131,7 +175,7 @@ def held_bytes(state):
 
 def global_batch(cfg, args, world, step):
     """The same global batch on every rank (and in the notebook); rank k trains on its rows."""
-    return utils.lm_batch(cfg, args.batch * world, args.seq, device="cpu",
+    return utils.lm_batch(cfg, args.batch * world, args.seq_len, device="cpu",
                           seed=args.seed + step)
 
 
@@ -140,10 +184,15 @@ def build(cfg, args, w, mesh):
     return model, torch.optim.Adam(model.parameters(), lr=args.lr)
 
 
-def train(model, opt, cfg, args, w, steps):
-    """Train on the global batches of ``steps``; the losses averaged over ranks."""
-    return [global_mean(utils.train_step(model, opt, *rank_slice(
-        global_batch(cfg, args, w.world_size, s), w, args)), w) for s in steps]
+def train(model, opt, cfg, args, w, steps, staging=None):
+    """Train on the global batches of ``steps``; the losses averaged over ranks. The first
+    optimizer step waits for ``staging`` (a checkpoint started just before)."""
+    losses = []
+    for i, s in enumerate(steps):
+        loss, _ = train_step(model, opt, *rank_slice(global_batch(cfg, args, w.world_size, s),
+                                                     w, args), staging if i == 0 else None)
+        losses.append(global_mean(loss, w))
+    return losses
 
 
 def timed(fn, device):
@@ -186,11 +235,16 @@ def phase_resume(cfg, args, w, mesh, pg, ckpt):
     del full
     dist.barrier(pg)  # nobody goes on before rank 0's file is written
 
-    # The same step once more, asynchronously; training goes on while it is written.
-    fut = async_save(model, opt, ckpt / "async_step", pg)
-    losses += train(model, opt, cfg, args, w, range(k, 2 * k))
-    async_pending = not fut.done()  # was it still being written when training got here?
-    fut.result()
+    # The same step once more, asynchronously; training goes on while it is copied and
+    # written, and the first optimizer step waits for the copy.
+    stager = make_stager(w.device)
+    staging, upload = async_save(model, opt, ckpt / "async_step", pg, stager)
+    staging_pending = not staging.done()  # still copying when async_save returned?
+    losses += train(model, opt, cfg, args, w, range(k, 2 * k), staging=staging)
+    async_pending = not upload.done()  # still being written when training got here?
+    upload.result()
+    if stager is not None:
+        stager.close()
     del model, opt
     gc.collect()
 
@@ -202,20 +256,25 @@ def phase_resume(cfg, args, w, mesh, pg, ckpt):
     del model, opt
     gc.collect()
     return {"losses": losses, "resumed_losses": resumed, "written": written,
-            "old_held_bytes": old_held, "async_pending_after_steps": async_pending}
+            "old_held_bytes": old_held, "async_pending_after_steps": async_pending,
+            "staging_pending_at_return": staging_pending,
+            "background_staging": DefaultStager is not None}
 
 
 def phase_time(cfg, args, w, mesh, pg, ckpt):
     """Blocking time of each way to checkpoint, and step times while async_save writes."""
     model, opt = build(cfg, args, w, mesh)
     x, y = rank_slice(global_batch(cfg, args, w.world_size, 0), w, args)
+    stager = make_stager(w.device)  # one stager for every checkpoint: it reuses its buffers
 
-    def step_ms():
-        return timed(lambda: utils.train_step(model, opt, x, y), w.device)[1] * 1e3
+    def step_ms(staging=None):
+        """(ms of one training step, ms of it spent waiting for ``staging``)."""
+        (_, waited), seconds = timed(lambda: train_step(model, opt, x, y, staging), w.device)
+        return seconds * 1e3, waited * 1e3
 
     rounds = []
     for r in range(args.time_rounds + 1):  # round 0 is a warm-up
-        idle = [step_ms() for _ in range(args.time_steps)]
+        idle = [step_ms()[0] for _ in range(args.time_steps)]
         dist.barrier(pg)
         with CudaPeak(w.device) as sync_peak:
             _, sync_s = timed(lambda: save(model, opt, ckpt / f"sync_{r}", pg), w.device)
@@ -225,12 +284,18 @@ def phase_time(cfg, args, w, mesh, pg, ckpt):
                                                       w.rank), w.device)
         dist.barrier(pg)
         with CudaPeak(w.device) as async_peak:
-            fut, async_s = timed(lambda: async_save(model, opt, ckpt / f"async_{r}", pg),
-                                 w.device)
-        busy = [step_ms() for _ in range(args.time_steps)]
-        _, wait_s = timed(fut.result, w.device)
-        rounds.append({"sync_s": sync_s, "old_s": old_s, "async_s": async_s, "wait_s": wait_s,
-                       "idle_step_ms": idle, "busy_step_ms": busy,
+            (staging, upload), async_s = timed(
+                lambda: async_save(model, opt, ckpt / f"async_{r}", pg, stager), w.device)
+        busy, staging_wait_ms = [], 0.0
+        for i in range(args.time_steps):
+            ms, waited = step_ms(staging if i == 0 else None)
+            busy.append(ms)
+            staging_wait_ms += waited
+        _, wait_s = timed(upload.result, w.device)
+        rounds.append({"sync_s": sync_s, "old_s": old_s, "async_s": async_s,
+                       "staging_wait_s": staging_wait_ms / 1e3,
+                       "async_blocking_s": async_s + staging_wait_ms / 1e3,
+                       "wait_s": wait_s, "idle_step_ms": idle, "busy_step_ms": busy,
                        "cuda_extra_bytes": {"sync": sync_peak.extra_bytes,
                                             "old": old_peak.extra_bytes,
                                             "async": async_peak.extra_bytes}})
@@ -238,9 +303,12 @@ def phase_time(cfg, args, w, mesh, pg, ckpt):
         if w.is_main:  # keep only the latest checkpoints, as a training run would
             for old in (ckpt / f"sync_{r}", ckpt / f"async_{r}", ckpt / f"full_{r}.pt"):
                 shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
+    if stager is not None:
+        stager.close()
     del model, opt
     gc.collect()
-    return {"rounds": rounds[1:], "warmup": rounds[0]}
+    return {"rounds": rounds[1:], "warmup": rounds[0],
+            "background_staging": DefaultStager is not None}
 
 
 def main():
@@ -262,7 +330,7 @@ def main():
     if not phases or set(phases) - set(PHASES):
         raise SystemExit(f"--phases must name some of {PHASES}, got {args.phases!r}")
 
-    torch.backends.cuda.matmul.allow_tf32 = False
+    utils.set_tf32(False)  # fp32 means fp32: the resumed losses are compared with fp32 runs
     cfg = model_config(args)
     ckpt = Path(args.ckpt)
     backend = None if args.backend == "auto" else args.backend

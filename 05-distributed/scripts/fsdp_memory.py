@@ -15,7 +15,11 @@ Started by ``05-distributed/02_fsdp2_and_zero.ipynb`` through ``utils.distribute
 Configurations: ``ddp``, ``zero1`` (DDP + ZeroRedundancyOptimizer), ``fsdp2`` (fully_shard
 per block and at the root), ``fsdp2_keep`` (reshard_after_forward=False),
 ``fsdp2_bf16`` (MixedPrecisionPolicy bf16 compute, fp32 reduce), ``fsdp2_offload``
-(CPUOffloadPolicy; needs CUDA ranks).
+(CPUOffloadPolicy; needs CUDA ranks), ``fsdp2_meta`` (built on the meta device, sharded,
+then given its weights from rank 0), ``fsdp2_prefetch`` (explicit all-gather prefetch two
+blocks ahead), ``fsdp2_accum`` (gradient accumulation over ``--accum`` micro-batches,
+reduce-scattering after every one) and ``fsdp2_accum_fn`` (the same, with the
+``accumulate`` function of the file ``--accum-fn``: the notebook's exercise).
 
 Run by hand: ``torchrun --standalone --nproc-per-node=2 fsdp_memory.py --out /tmp/r``.
 """
@@ -24,11 +28,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import statistics
 import warnings
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
@@ -46,7 +53,9 @@ except ImportError:  # torch 2.4 / 2.5: the same API under its earlier, private 
 import utils
 import utils.distributed as ud
 
-CONFIGS = ("ddp", "zero1", "fsdp2", "fsdp2_keep", "fsdp2_bf16", "fsdp2_offload")
+CONFIGS = ("ddp", "zero1", "fsdp2", "fsdp2_keep", "fsdp2_bf16", "fsdp2_offload",
+           "fsdp2_meta", "fsdp2_prefetch", "fsdp2_accum", "fsdp2_accum_fn")
+ACCUM_CONFIGS = ("fsdp2_accum", "fsdp2_accum_fn")
 
 # Recent torch warns when an FSDP2 root returns a view (TinyGPT's logits are a view of the
 # head's matmul output): an in-place op on it would skip a backward hook. train_step does no
@@ -75,6 +84,65 @@ def apply_fsdp2(model, mesh, *, reshard_after_forward=True, mp_policy=None,
     # starts with it and would all-gather it again at once.
     fully_shard(model, **kwargs)
     return model
+
+
+def build_on_meta(cfg, args, w, mesh):
+    """FSDP2 without ever holding the whole model on one device.
+
+    1. Build the model on the meta device: parameters with shapes but no memory.
+    2. Shard it (``apply_fsdp2``): the parameters become DTensors, still on meta.
+    3. ``to_empty`` allocates this rank's shards on its device, uninitialised.
+    4. Fill them from a full state dict that only rank 0 holds (here the seeded initial
+       weights, in a real job a pretrained checkpoint on rank 0's CPU):
+       ``set_model_state_dict`` with ``full_state_dict=True, broadcast_from_rank0=True``
+       sends each tensor from rank 0 and keeps this rank's slice of it.
+    (Training from scratch, step 4 is the model's init function instead, run on the
+    shards after ``to_empty``.)
+    """
+    with torch.device("meta"):
+        model = utils.TinyGPT(cfg)
+    apply_fsdp2(model, mesh)
+    model.to_empty(device=w.device)
+    full = new_model(cfg, args, "cpu").state_dict() if w.is_main else {}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
+                                                               broadcast_from_rank0=True))
+    return model
+
+
+def prefetch_two_ahead(model):
+    """Explicit prefetch: each block starts the all-gathers of the next two blocks in
+    forward (of the two before it in backward) instead of FSDP2's default of one."""
+    blocks = list(model.blocks)
+    for i, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[i + 1:i + 3])
+        block.set_modules_to_backward_prefetch(blocks[max(0, i - 2):i][::-1])
+    return model
+
+
+def accumulate_naive(model, optimizer, micro_batches):
+    """One optimizer step over micro-batches, every backward reduce-scattering its
+    gradients (FSDP2's default): the same gradients as one big batch, k times the
+    reduce-scatters. Returns the mean loss."""
+    optimizer.zero_grad(set_to_none=True)
+    k = len(micro_batches)
+    total = 0.0
+    for x, y in micro_batches:
+        loss = F.cross_entropy(model(x).flatten(0, -2).float(), y.flatten()) / k
+        loss.backward()
+        total += loss.detach()
+    optimizer.step()
+    return total
+
+
+def load_accumulate(path):
+    """The function ``accumulate(model, optimizer, micro_batches)`` of the file ``path``."""
+    spec = importlib.util.spec_from_file_location("accumulate_exercise", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, "accumulate", None)):
+        raise AttributeError(f"{path} defines no function accumulate(model, optimizer, "
+                             "micro_batches)")
+    return module.accumulate
 
 
 # --- what one rank holds ----------------------------------------------------------------
@@ -130,14 +198,14 @@ def comm_name(op):
 
 # --- training -----------------------------------------------------------------------------
 def global_mean(loss, w):
-    t = loss.detach().float().reshape(1).to(w.device)
+    t = torch.as_tensor(loss).detach().float().reshape(1).to(w.device)
     dist.all_reduce(t)  # SUM: gloo has no AVG
     return t.item() / w.world_size
 
 
 def make_batches(cfg, args, w):
     """The same global batches on every rank; rank k trains on rows [k*B, (k+1)*B)."""
-    return [utils.lm_batch(cfg, args.batch * w.world_size, args.seq, device="cpu",
+    return [utils.lm_batch(cfg, args.batch * w.world_size, args.seq_len, device="cpu",
                            seed=args.seed + step) for step in range(args.steps)]
 
 
@@ -163,8 +231,8 @@ def reference(cfg, args, w, batches):
 
 
 def build(name, cfg, args, w, mesh):
-    model = new_model(cfg, args, w.device)
     if name in ("ddp", "zero1"):
+        model = new_model(cfg, args, w.device)
         # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets instead of
         # beside them, so DDP holds 4P bytes of gradients, not 4P + 4P of bucket copies.
         wrapped = DDP(model, device_ids=[w.local_rank] if w.device.type == "cuda" else None,
@@ -178,16 +246,32 @@ def build(name, cfg, args, w, mesh):
     if name == "fsdp2_offload" and w.device.type != "cuda":
         raise RuntimeError("fsdp2_offload offloads from GPU memory to CPU memory: it needs "
                            "CUDA ranks (NCCL); on CPU ranks the parameters are already there")
-    apply_fsdp2(
-        model, mesh,
-        reshard_after_forward=(name != "fsdp2_keep"),
-        mp_policy=(MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                   if name == "fsdp2_bf16" else None),
-        offload_policy=CPUOffloadPolicy() if name == "fsdp2_offload" else None,
-    )
+    if name == "fsdp2_meta":
+        model = build_on_meta(cfg, args, w, mesh)
+    else:
+        model = apply_fsdp2(
+            new_model(cfg, args, w.device), mesh,
+            reshard_after_forward=(name != "fsdp2_keep"),
+            mp_policy=(MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                            reduce_dtype=torch.float32)
+                       if name == "fsdp2_bf16" else None),
+            offload_policy=CPUOffloadPolicy() if name == "fsdp2_offload" else None,
+        )
+    if name == "fsdp2_prefetch":
+        prefetch_two_ahead(model)
     # The optimizer is built AFTER sharding, over the DTensor shards: its state is sharded too.
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     return model, model, opt
+
+
+def step_fn(name, model, opt, args):
+    """One optimizer step of configuration ``name`` on (x, y): a plain train_step, or
+    gradient accumulation over ``--accum`` micro-batches of it."""
+    if name not in ACCUM_CONFIGS:
+        return lambda x, y: utils.train_step(model, opt, x, y)
+    accumulate = load_accumulate(args.accum_fn) if name == "fsdp2_accum_fn" else accumulate_naive
+    return lambda x, y: accumulate(model, opt, list(zip(x.chunk(args.accum),
+                                                        y.chunk(args.accum))))
 
 
 def run_config(name, cfg, args, w, mesh, batches, ref):
@@ -195,11 +279,15 @@ def run_config(name, cfg, args, w, mesh, batches, ref):
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(w.device)
+    with torch.device("meta"):
+        probe = utils.TinyGPT(cfg)
+    full_bytes = utils.count_parameters(probe) * 4  # the whole model in fp32 (tied: once)
     model, inner, opt = build(name, cfg, args, w, mesh)
+    build_peak = torch.cuda.max_memory_allocated(w.device) if cuda else None
+    step = step_fn(name, model, opt, args)
 
     # 1. Correctness: the same steps as the reference, on this rank's slice of each batch.
-    losses = [global_mean(utils.train_step(model, opt, *rank_slice(b, w, args)), w)
-              for b in batches]
+    losses = [global_mean(step(*rank_slice(b, w, args)), w) for b in batches]
     diff2 = upd2 = 0.0
     max_abs = 0.0
     for n, p in inner.named_parameters():
@@ -222,7 +310,7 @@ def run_config(name, cfg, args, w, mesh, batches, ref):
     hook = inner.register_forward_hook(after_forward)
     comm = CommDebugMode()
     with comm:
-        utils.train_step(model, opt, *rank_slice(batches[0], w, args))
+        step(*rank_slice(batches[0], w, args))
     hook.remove()
     counts = {}
     for op, n in comm.get_comm_counts().items():
@@ -230,8 +318,7 @@ def run_config(name, cfg, args, w, mesh, batches, ref):
 
     # 4. Step time: a fixed number of steps on every rank (ud.step_times_ms says why).
     x, y = rank_slice(batches[0], w, args)
-    times = ud.step_times_ms(lambda: utils.train_step(model, opt, x, y), args.time_steps,
-                             w.device)
+    times = ud.step_times_ms(lambda: step(x, y), args.time_steps, w.device)
 
     result = {
         "losses": losses,
@@ -241,9 +328,12 @@ def run_config(name, cfg, args, w, mesh, batches, ref):
         "device_bytes": on_device,
         "unsharded_after_forward_bytes": seen.get("bytes"),
         "comm_counts": counts,
-        "step_ms": statistics.median(times),
+        "step_ms": statistics.median(times) if times else None,
         "step_ms_all": times,
         "cuda_peak_bytes": torch.cuda.max_memory_allocated(w.device) if cuda else None,
+        # GPU memory at its highest while the model was built and sharded (before training)
+        "cuda_build_peak_bytes": build_peak,
+        "full_model_bytes": full_bytes,
     }
     del model, inner, opt  # free before the next configuration (and before the group ends)
     gc.collect()
@@ -251,17 +341,12 @@ def run_config(name, cfg, args, w, mesh, batches, ref):
 
 
 def add_model_args(p):
-    """The TinyGPT size options (shared with dcp_checkpoint.py)."""
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
+    """The TinyGPT size options (shared with dcp_checkpoint.py): utils.distributed's."""
+    ud.add_gpt_args(p)
 
 
 def model_config(args):
-    return utils.GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer,
-                           n_head=args.n_head, n_embd=args.n_embd)
+    return ud.gpt_config(args)
 
 
 def main():
@@ -276,14 +361,25 @@ def main():
     p.add_argument("--time-steps", type=int, default=3, help="timed steps per configuration")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--accum", type=int, default=4,
+                   help="micro-batches per optimizer step in fsdp2_accum* (divides --batch)")
+    p.add_argument("--accum-fn", default="",
+                   help="file defining accumulate(model, optimizer, micro_batches) for "
+                        "fsdp2_accum_fn")
     p.add_argument("--timeout-s", type=float, default=300)
     args = p.parse_args()
     configs = [c for c in args.configs.split(",") if c]
     unknown = sorted(set(configs) - set(CONFIGS))
     if unknown:
         raise SystemExit(f"unknown configuration(s) {unknown}: use {', '.join(CONFIGS)}")
+    if set(configs) & set(ACCUM_CONFIGS) and (args.accum < 1 or args.batch % args.accum):
+        raise SystemExit(f"--accum ({args.accum}) must divide --batch ({args.batch})")
+    if "fsdp2_accum_fn" in configs and not args.accum_fn:
+        raise SystemExit("fsdp2_accum_fn needs --accum-fn FILE")
 
-    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32: the comparison is exact-ish
+    # fp32 means fp32: every configuration is compared with one process in fp32, so TF32
+    # stays off (torch's default for matmuls; set explicitly, with the current API).
+    utils.set_tf32(False)
     cfg = model_config(args)
     backend = None if args.backend == "auto" else args.backend
     with ud.worker(backend=backend, timeout_s=args.timeout_s) as w:
@@ -309,7 +405,8 @@ def main():
                 r = out["configs"][name]
                 print(f"[rank 0] {name:<14} loss {r['losses'][-1]:.4f} "
                       f"(reference {ref['losses'][-1]:.4f})  state "
-                      f"{sum(r['bytes'].values()) / 2**20:.2f} MiB  step {r['step_ms']:.1f} ms",
+                      f"{sum(r['bytes'].values()) / 2**20:.2f} MiB  step "
+                      f"{r['step_ms'] or float('nan'):.1f} ms",
                       flush=True)
         ud.write_rank_result(args.out, w.rank, out)
 
