@@ -13,6 +13,11 @@ losses of a few AdamW steps); the collectives of one forward and one backward
 ``--mode 2d``: a 2-D ("dp", "tp") mesh: tensor parallelism inside each "tp" group, FSDP2
 (``fully_shard``) across "dp"; gradients and losses checked against one device.
 
+``--mode plan --plan-file FILE``: the MLP of every block sharded with each plan that FILE
+defines (functions whose names end in ``_plan`` and return a ``parallelize_module`` plan
+for ``mlp.0`` / ``mlp.2``), attention left replicated; for each plan, the logits against
+one device and the collectives of one forward and one backward (the notebook's exercise).
+
 Every rank writes what it measured to ``OUT/rank<k>.json``.
 """
 
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import logging
 import types
 import warnings
@@ -52,13 +58,10 @@ TP_LAYERS = tuple(TP_PLAN)
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="folder for rank<k>.json")
-    p.add_argument("--mode", choices=("tp", "2d"), default="tp")
+    p.add_argument("--mode", choices=("tp", "2d", "plan"), default="tp")
     p.add_argument("--tp", type=int, default=2, help="2d mode: size of the 'tp' mesh dimension")
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=64)
-    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--plan-file", default="", help="plan mode: the file defining *_plan()")
+    ud.add_gpt_args(p, vocab=256, seq_len=32, n_layer=2, n_head=4, n_embd=64)
     p.add_argument("--batch", type=int, default=4, help="global batch (split over 'dp' in 2d)")
     p.add_argument("--steps", type=int, default=3, help="AdamW steps compared with one device")
     p.add_argument("--time-steps", type=int, default=5, help="timed steps per model (0: none)")
@@ -223,12 +226,11 @@ def time_steps(step, n: int, device) -> list[float]:
 
 def time_width(a, w, mesh, n_embd: int) -> dict:
     """Seconds per training step of TinyGPT at this width: one device, and TP over mesh."""
-    cfg = utils.GPTConfig(vocab_size=a.vocab, block_size=a.seq, n_layer=a.n_layer,
-                          n_head=a.n_head, n_embd=n_embd)
+    cfg = ud.gpt_config(a, n_embd=n_embd)
     torch.manual_seed(0)
     ref = utils.TinyGPT(cfg).to(w.device)
     model = apply_tp(copy.deepcopy(ref), mesh)
-    x, y = utils.lm_batch(cfg, a.batch, a.seq, device=w.device, seed=1)
+    x, y = utils.lm_batch(cfg, a.batch, a.seq_len, device=w.device, seed=1)
     check_close(model(x), ref(x), f"logits at n_embd={n_embd}")   # correct before timed
     out = {}
     for name, m in (("ref", ref), ("tp", model)):
@@ -244,12 +246,11 @@ def run_tp(a, w) -> dict:
     tp = mesh.size()
     res = {"dtensor": dtensor_demo(mesh, w.device)}
 
-    cfg = utils.GPTConfig(vocab_size=a.vocab, block_size=a.seq, n_layer=a.n_layer,
-                          n_head=a.n_head, n_embd=a.n_embd)
+    cfg = ud.gpt_config(a)
     torch.manual_seed(0)
     ref = utils.TinyGPT(cfg).to(w.device)            # the same model on one device
     model = apply_tp(copy.deepcopy(ref), mesh)       # same weights, sharded over the mesh
-    x, y = utils.lm_batch(cfg, a.batch, a.seq, device=w.device, seed=1)  # same batch on all
+    x, y = utils.lm_batch(cfg, a.batch, a.seq_len, device=w.device, seed=1)  # same batch on all
 
     # 1. forward: the logits (replicated on every rank) against the single-device logits
     with CommDebugMode() as fwd_comm:
@@ -264,7 +265,7 @@ def run_tp(a, w) -> dict:
     F.cross_entropy(logits_ref.flatten(0, 1), y.flatten()).backward()
     res.update(check_grads(model, ref, tp))
     res["comm_forward"], res["comm_backward"] = comm_counts(fwd_comm), comm_counts(bwd_comm)
-    res["allreduce_payload_bytes"] = a.batch * a.seq * a.n_embd * logits.element_size()
+    res["allreduce_payload_bytes"] = a.batch * a.seq_len * a.n_embd * logits.element_size()
     with CommDebugMode() as both:                    # again, to see which layer communicates
         F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
     res["comm_table"] = both.generate_comm_debug_tracing_table(noise_level=0)
@@ -300,8 +301,7 @@ def run_2d(a, w) -> dict:
         raise ValueError(f"--batch {a.batch} is not divisible by the dp size {dp}")
     mesh = init_device_mesh(w.device.type, (dp, a.tp), mesh_dim_names=("dp", "tp"))
 
-    cfg = utils.GPTConfig(vocab_size=a.vocab, block_size=a.seq, n_layer=a.n_layer,
-                          n_head=a.n_head, n_embd=a.n_embd)
+    cfg = ud.gpt_config(a)
     torch.manual_seed(0)
     ref = utils.TinyGPT(cfg).to(w.device)
     model = apply_tp(copy.deepcopy(ref), mesh["tp"])   # TP inside each "tp" group...
@@ -309,7 +309,7 @@ def run_2d(a, w) -> dict:
         fully_shard(blk, mesh=mesh["dp"])              # ...then FSDP2 across "dp"
     fully_shard(model, mesh=mesh["dp"])
 
-    x, y = utils.lm_batch(cfg, a.batch, a.seq, device=w.device, seed=1)
+    x, y = utils.lm_batch(cfg, a.batch, a.seq_len, device=w.device, seed=1)
     dp_rank = mesh.get_local_rank("dp")
     xl, yl = x.chunk(dp)[dp_rank], y.chunk(dp)[dp_rank]  # this dp rank's share of the batch
 
@@ -342,10 +342,52 @@ def run_2d(a, w) -> dict:
     return res
 
 
+def load_plans(path: str) -> dict:
+    """name -> function for every ``*_plan`` function defined in the file ``path``."""
+    spec = importlib.util.spec_from_file_location("tp_plans", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    plans = {n: f for n, f in vars(module).items() if n.endswith("_plan") and callable(f)}
+    if not plans:
+        raise ValueError(f"{path} defines no function whose name ends in _plan")
+    return plans
+
+
+def run_plans(a, w) -> dict:
+    """Each plan of --plan-file on every block's MLP: logits vs one device, collectives."""
+    if not a.plan_file:
+        raise ValueError("--mode plan needs --plan-file")
+    mesh = init_device_mesh(w.device.type, (w.world_size,))
+    cfg = ud.gpt_config(a)
+    torch.manual_seed(0)
+    ref = utils.TinyGPT(cfg).to(w.device)
+    x, y = utils.lm_batch(cfg, a.batch, a.seq_len, device=w.device, seed=1)
+    logits_ref = ref(x)
+    res = {}
+    for name, make_plan in load_plans(a.plan_file).items():
+        model = copy.deepcopy(ref)
+        for blk in model.blocks:
+            parallelize_module(blk.mlp, mesh, make_plan())  # keys "0" and "2": mlp.0, mlp.2
+        with CommDebugMode() as fwd:
+            logits = model(x)
+        with CommDebugMode() as bwd:
+            F.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
+        logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+        err = (logits - logits_ref).abs().max().item() / logits_ref.abs().max().item()
+        res[name] = {"logits_max_rel_err": err, "comm_forward": comm_counts(fwd),
+                     "comm_backward": comm_counts(bwd),
+                     "mlp_bytes": sum(local_bytes(p) for n, p in model.named_parameters()
+                                      if ".mlp." in n)}
+    res["mlp_bytes_ref"] = sum(local_bytes(p) for n, p in ref.named_parameters() if ".mlp." in n)
+    res["activation_bytes"] = a.batch * a.seq_len * a.n_embd * logits_ref.element_size()
+    return res
+
+
 def main() -> None:
     a = parse_args()
+    utils.set_tf32(False)  # fp32 means fp32: every check compares with one device in fp32
     with ud.worker(timeout_s=a.timeout) as w:
-        res = run_tp(a, w) if a.mode == "tp" else run_2d(a, w)
+        res = {"tp": run_tp, "2d": run_2d, "plan": run_plans}[a.mode](a, w)
         res.update(rank=w.rank, world_size=w.world_size, backend=w.backend,
                    device=str(w.device), torch=torch.__version__)
         ud.write_rank_result(a.out, w.rank, res)
