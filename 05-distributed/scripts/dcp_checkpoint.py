@@ -83,8 +83,12 @@ def make_stager(device):
     if DefaultStager is None:
         return None
     on_gpu = device.type == "cuda"
-    return DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False,
-                                        use_async_staging=True, use_non_blocking_copy=on_gpu))
+    wanted = {"use_pinned_memory": on_gpu, "use_shared_memory": False,
+              "use_async_staging": True, "use_non_blocking_copy": on_gpu}
+    fields = getattr(StagingOptions, "__dataclass_fields__", {})
+    if "use_async_staging" not in fields:  # a torch whose options we do not know: default stager
+        return None
+    return DefaultStager(StagingOptions(**{k: v for k, v in wanted.items() if k in fields}))
 
 
 def async_save(model, optimizer, path, pg, stager=None):
@@ -243,7 +247,8 @@ def phase_resume(cfg, args, w, mesh, pg, ckpt):
     losses += train(model, opt, cfg, args, w, range(k, 2 * k), staging=staging)
     async_pending = not upload.done()  # still being written when training got here?
     upload.result()
-    if stager is not None:
+    background = stager is not None
+    if background:
         stager.close()
     del model, opt
     gc.collect()
@@ -258,7 +263,7 @@ def phase_resume(cfg, args, w, mesh, pg, ckpt):
     return {"losses": losses, "resumed_losses": resumed, "written": written,
             "old_held_bytes": old_held, "async_pending_after_steps": async_pending,
             "staging_pending_at_return": staging_pending,
-            "background_staging": DefaultStager is not None}
+            "background_staging": background}
 
 
 def phase_time(cfg, args, w, mesh, pg, ckpt):
@@ -303,12 +308,12 @@ def phase_time(cfg, args, w, mesh, pg, ckpt):
         if w.is_main:  # keep only the latest checkpoints, as a training run would
             for old in (ckpt / f"sync_{r}", ckpt / f"async_{r}", ckpt / f"full_{r}.pt"):
                 shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
-    if stager is not None:
+    background = stager is not None
+    if background:
         stager.close()
     del model, opt
     gc.collect()
-    return {"rounds": rounds[1:], "warmup": rounds[0],
-            "background_staging": DefaultStager is not None}
+    return {"rounds": rounds[1:], "warmup": rounds[0], "background_staging": background}
 
 
 def main():
