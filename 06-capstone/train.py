@@ -1,0 +1,294 @@
+"""Train the capstone's GPT on torch's own sources with the speedup ladder's settings, headless.
+
+The model, the data and the training step are the ones the ladder notebook
+(01_speedup_ladder.ipynb) measures: utils.TinyGPT scaled by config, the corpus of
+corpus.py, and utils.ladder.Trainer configured by a utils.ladder.TrainConfig. By
+default it runs the top rung of the ladder that runs on this machine (with CUDA
+graphs on a GPU, without them on a CPU); --rung picks another rung, and the
+ladder's own flags (--amp, --compile, ...) override single settings.
+
+It prints the loss, tokens/s and MFU as it goes (a progress bar, plus a line every
+--log-every steps), against a matmul ceiling it measures on this machine at start,
+and writes an atomic checkpoint at the end (utils.checkpoint.atomic_save).
+
+Examples:
+
+    python 06-capstone/train.py --help
+    python 06-capstone/train.py --preset tiny --steps 50 --out /tmp/gpt.pt
+    python 06-capstone/train.py --rung "SDPA (flash)" --steps 100      # an earlier rung
+    torchrun --standalone --nproc-per-node=8 06-capstone/train.py      # DDP, one process per GPU
+
+Under torchrun each process trains a DistributedDataParallel replica on its slice of
+every batch (NCCL with one GPU per process, gloo on CPUs); --batch-size is the global
+batch, split over the processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import math
+import os
+import sys
+import time
+
+import torch
+
+import utils
+import utils.distributed as ud
+from utils import ladder
+from utils.checkpoint import atomic_save
+
+import corpus  # corpus.py sits next to this script, and Python puts that folder on sys.path
+
+PRESETS = {
+    # name: (n_layer, n_head, n_embd, block_size, n_words, max_chars, batch_size, base accum)
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, n_words=8000,
+                 max_chars=8_000_000, batch_size=32, base_accum=4),
+    "tiny": dict(n_layer=2, n_head=4, n_embd=128, block_size=64, n_words=500,
+                 max_chars=1_000_000, batch_size=16, base_accum=4),
+}
+RUNG_NAMES = [r.name for r in ladder.LADDER]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="train.py", description=__doc__,
+        epilog="The ladder's rungs, in order: " + "; ".join(RUNG_NAMES) + ".",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=("auto", *PRESETS), default="auto",
+                   help="model and data sizes: gpt2 (12 layers, 768 wide, 1024 context), "
+                        "tiny (a smoke-size model); auto (the default) = gpt2 on a GPU, "
+                        "tiny on a CPU")
+    p.add_argument("--rung", choices=RUNG_NAMES, default=None, metavar="NAME",
+                   help="start from this rung's settings (default: the top rung that runs "
+                        "here); the ladder flags below override single settings")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps (default: 200)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="sequences per optimizer step, over all processes (default: preset)")
+    p.add_argument("--n-layer", type=int, default=None, help="layers (default: preset)")
+    p.add_argument("--n-head", type=int, default=None, help="attention heads (default: preset)")
+    p.add_argument("--n-embd", type=int, default=None, help="model width (default: preset)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per sequence (default: preset)")
+    p.add_argument("--n-words", type=int, default=None,
+                   help="tokenizer words; the vocabulary is 257 + this (default: preset)")
+    p.add_argument("--max-chars", type=int, default=None,
+                   help="characters of torch's sources to read (default: preset)")
+    p.add_argument("--lr", type=float, default=6e-4,
+                   help="AdamW peak learning rate (default: 6e-4)")
+    p.add_argument("--warmup-steps", type=int, default=10,
+                   help="linear learning-rate warm-up steps (default: 10)")
+    p.add_argument("--weight-decay", type=float, default=0.1,
+                   help="AdamW weight decay (default: 0.1)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the initial weights and the batch order (default: 0)")
+    p.add_argument("--device", default=None,
+                   help="cpu or cuda (default: cuda if there is a GPU); under torchrun each "
+                        "process takes its own GPU")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads per process (default: 0, torch's own choice)")
+    p.add_argument("--log-every", type=int, default=10,
+                   help="print a progress line every N steps (default: 10)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar, lines only")
+    p.add_argument("--out", default=str(utils.results_dir() / "capstone_gpt.pt"),
+                   help="checkpoint written atomically at the end (default: capstone_gpt.pt in "
+                        "the course's results folder, results/local/ or $COURSE_RESULTS_DIR)")
+    p.add_argument("--timeout-s", type=float, default=300,
+                   help="under torchrun: how long a collective may wait for its peers "
+                        "(default: 300)")
+    ladder.TrainConfig.add_arguments(p)
+    return p
+
+
+def rung_config(rung_name: str | None, amp: str, base_accum: int,
+                device_type: str) -> tuple[str, ladder.TrainConfig]:
+    """The ladder's cumulative settings up to ``rung_name`` (None: the top rung that runs on
+    ``device_type``), the way the notebook climbs it: rungs that need CUDA are passed over
+    elsewhere. Returns the rung's name (with this machine's autocast dtype) and settings."""
+    cfg, name = ladder.TrainConfig(accum_steps=base_accum), "fp32 eager"
+    stop = len(RUNG_NAMES) - 1 if rung_name is None else RUNG_NAMES.index(rung_name)
+    for i, rung in enumerate(ladder.default_ladder(amp)[: stop + 1]):
+        if rung.needs_cuda and device_type != "cuda" and (rung_name is None or i < stop):
+            continue
+        cfg, name = rung.apply(cfg), rung.name
+    return name, cfg
+
+
+def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, world: int):
+    """Check the flags together; return (device type, preset name, sizes, config, rung name)."""
+    cuda = torch.cuda.is_available()
+    if args.device is None:
+        device_type = "cuda" if cuda else "cpu"
+    elif args.device in ("cpu", "cuda"):
+        device_type = args.device
+    else:
+        parser.error(f"--device must be cpu or cuda, got {args.device!r}")
+    if device_type == "cuda" and not cuda:
+        parser.error("--device cuda: this machine has no CUDA GPU (torch.cuda.is_available() "
+                     "is False); use --device cpu")
+    preset = args.preset if args.preset != "auto" else ("gpt2" if device_type == "cuda" else "tiny")
+    sizes = dict(PRESETS[preset])
+    for key in ("n_layer", "n_head", "n_embd", "block_size", "n_words", "max_chars",
+                "batch_size"):
+        if getattr(args, key) is not None:
+            sizes[key] = getattr(args, key)
+    for key, value in [*sizes.items(), ("steps", args.steps), ("log_every", args.log_every)]:
+        if not isinstance(value, int) or value < 1:
+            parser.error(f"--{key.replace('_', '-')} must be a positive integer, got {value!r}")
+    if args.warmup_steps < 0:
+        parser.error(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    if sizes["n_embd"] % sizes["n_head"]:
+        parser.error(f"--n-embd ({sizes['n_embd']}) must be divisible by --n-head "
+                     f"({sizes['n_head']})")
+    bf16_ok = device_type == "cpu" or torch.cuda.is_bf16_supported(including_emulation=False)
+    amp = "bf16" if bf16_ok else "fp16"
+    try:
+        rung_name, cfg = rung_config(args.rung, amp, sizes.pop("base_accum"), device_type)
+        cfg = cfg.with_args(args)
+    except (TypeError, ValueError) as exc:
+        parser.error(str(exc))
+    if cfg.uses_cuda_graphs and device_type != "cuda":
+        parser.error(f"--compile {cfg.compile} records CUDA graphs, which need a CUDA GPU; this "
+                     "run is on the CPU: use --compile default (or pick an earlier --rung)")
+    if cfg.amp == "bf16" and not bf16_ok:
+        parser.error("--amp bf16: this GPU has no native bfloat16 (it needs sm80+); use --amp fp16")
+    per_rank, rest = divmod(sizes["batch_size"], world)
+    if rest or per_rank % cfg.accum_steps:
+        parser.error(f"--batch-size {sizes['batch_size']} must split into {world} process(es) x "
+                     f"--accum-steps {cfg.accum_steps} equal micro-batches")
+    return device_type, preset, sizes, cfg, rung_name
+
+
+def train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device_type, preset, sizes, cfg, rung_name = resolve(args, parser, world)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with contextlib.ExitStack() as stack:
+        if world > 1:
+            w = stack.enter_context(ud.worker(
+                backend="nccl" if device_type == "cuda" else "gloo", timeout_s=args.timeout_s))
+            rank, device = w.rank, w.device
+        else:
+            rank, device = 0, torch.device("cuda" if device_type == "cuda" else "cpu")
+        return _train(args, sizes, cfg, rung_name, preset, rank, world, device)
+
+
+def _train(args, sizes, cfg, rung_name, preset, rank, world, device) -> dict:
+    from tqdm.auto import tqdm
+
+    main = rank == 0
+    say = print if main else (lambda *a, **k: None)
+    t_start = time.perf_counter()
+    data = corpus.build_corpus(sizes["max_chars"], sizes["n_words"], seed=args.seed)
+    vocab = data.tokenizer.vocab_size
+    gpt_cfg = utils.GPTConfig(vocab_size=vocab, block_size=sizes["block_size"],
+                              n_layer=sizes["n_layer"], n_head=sizes["n_head"],
+                              n_embd=sizes["n_embd"])
+    per_rank = sizes["batch_size"] // world
+    seq = sizes["block_size"]
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = data.batch(step, sizes["batch_size"], seq, seed=args.seed)
+        rows = slice(rank * per_rank, (rank + 1) * per_rank)
+        return x[rows].to(device), y[rows].to(device)
+
+    model_fn = ladder.gpt_model_fn(gpt_cfg, seed=args.seed)
+    x0, y0 = batch(0)
+    flops = ladder.count_step_flops(model_fn(ladder.TrainConfig()), x0, y0, vocab)
+    kind = cfg.ceiling_kind
+    ceiling = ladder.measure_ceilings_tflops(
+        [kind], device, n=4096 if device.type == "cuda" else 512, min_run_time_s=0.3,
+        rounds=1)[kind]
+    say(f"device {device} x {world} process(es), torch {torch.__version__}; preset {preset}: "
+        f"{gpt_cfg}")
+    say(f"data: {data.n_chars:,} characters of torch's sources -> {data.tokens.numel():,} tokens, "
+        f"vocabulary {vocab} (padded to {ladder.padded_size(vocab, cfg.vocab_multiple)})")
+    say(f"settings ({rung_name!r} + flags): {cfg.describe()}")
+    say(f"  the same settings as flags: {' '.join(cfg.to_flags())}")
+    say(f"batch: {sizes['batch_size']} x {seq} tokens per step ({per_rank} per process, "
+        f"{cfg.accum_steps} micro-batch(es) of {per_rank // cfg.accum_steps})")
+    say(f"FLOPs per step per process: {flops / 1e9:.2f} GFLOP (counted once); ceiling: "
+        f"{kind} matmul, measured on this machine: {ceiling:.2f} TFLOP/s")
+
+    wrap = None
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        def wrap(module):
+            return DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
+
+    with utils.tf32(cfg.tf32):
+        trainer = ladder.Trainer(model_fn(cfg).to(device), cfg, device=device, num_classes=vocab,
+                                 lr=args.lr, weight_decay=args.weight_decay,
+                                 warmup_steps=args.warmup_steps, wrap=wrap)
+        tokens_per_step = sizes["batch_size"] * seq  # all processes together
+        bar = tqdm(total=args.steps, desc="train", unit="step",
+                   disable=not main or args.no_progress)
+        first_s = math.nan
+        window_start, window_steps = time.perf_counter(), 0
+        speed, mfu, loss = math.nan, math.nan, math.nan
+        speeds: list[float] = []
+        for step in range(args.steps):
+            if step == 0:  # compiles, allocates, autotunes: timed apart, not in the rates
+                out: list[torch.Tensor] = []
+                first_s = utils.first_call_s(lambda: out.append(trainer.step(x0, y0)),
+                                             device=device)
+                loss_t = out[0]
+                loss = loss_t.item()
+                window_start = time.perf_counter()
+            else:
+                loss_t = trainer.step(*batch(step))
+                window_steps += 1
+            last = step == args.steps - 1
+            if (step + 1) % args.log_every == 0 or last:
+                if world > 1:  # the mean over all processes' shards
+                    import torch.distributed as dist
+                    loss_t = loss_t.clone()
+                    dist.all_reduce(loss_t)
+                    loss_t /= world
+                loss = loss_t.item()  # waits for the step
+                utils.synchronize(device)
+                now = time.perf_counter()
+                if window_steps:
+                    elapsed = now - window_start
+                    speed = tokens_per_step * window_steps / elapsed
+                    mfu = flops * window_steps / elapsed / 1e12 / ceiling
+                    speeds.append(speed)
+                window_start, window_steps = now, 0
+                if main:
+                    tqdm.write(f"step {step + 1:>6}/{args.steps}  loss {loss:.4f}  "
+                               f"{speed:,.0f} tokens/s  MFU {mfu:.1%} (of the measured {kind} "
+                               "ceiling)", file=sys.stdout)
+                    sys.stdout.flush()
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{speed:,.0f}", mfu=f"{mfu:.1%}")
+            bar.update()
+        bar.close()
+    say(f"first step (compile, warm-up): {first_s:.1f} s, not in the rates above")
+    result = {"final_loss": loss, "tokens_per_s": speeds[-1] if speeds else math.nan,
+              "mfu": mfu, "steps": args.steps, "world_size": world,
+              "wall_s": time.perf_counter() - t_start}
+    if rank == 0:
+        state = trainer.state_dict()
+        state.update(gpt_config=dataclasses.asdict(gpt_cfg), tokenizer_words=list(
+            data.tokenizer.words), vocab_size=vocab, rung=rung_name, result=result,
+            args={k: v for k, v in vars(args).items()})
+        path = atomic_save(state, args.out)
+        say(f"checkpoint: {path} ({path.stat().st_size / 2**20:.1f} MiB, written atomically)")
+    say(f"done: final loss {loss:.4f}, {result['tokens_per_s']:,.0f} tokens/s, MFU {mfu:.1%}, "
+        f"{result['wall_s']:.1f} s in all")
+    del trainer
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    train(args, parser)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

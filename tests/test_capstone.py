@@ -1,0 +1,159 @@
+"""06-capstone: the corpus and tokenizer, and train.py at smoke size on a CPU (one process and
+two under torchrun with gloo)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import utils
+from conftest import REPO
+from utils.checkpoint import safe_load
+
+CAPSTONE = REPO / "06-capstone"
+TRAIN = CAPSTONE / "train.py"
+sys.path.insert(0, str(CAPSTONE))  # train.py imports corpus.py from its own folder, as a script
+import corpus  # noqa: E402
+import train  # noqa: E402
+
+# A fast run: the tiny preset, less text, eager (a fresh process would spend most of the test
+# compiling; the notebook's smoke run covers the compiled rungs through utils.ladder).
+SMALL = ["--preset", "tiny", "--max-chars", "300000", "--n-words", "200", "--batch-size", "8",
+         "--compile", "none", "--threads", "1"]
+
+
+def _train(*args: str, timeout: float = 300, env: dict | None = None):
+    return subprocess.run([sys.executable, str(TRAIN), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})})
+
+
+# ----------------------------------------------------------------------------- corpus
+
+def test_pieces_cover_every_character():
+    text = "def f(x):\n\treturn x  +  1  # é\r\n\x0b"
+    assert "".join(corpus.PIECE.findall(text)) == text
+
+
+def test_tokenizer_round_trips_and_has_an_ugly_size():
+    text = corpus.read_torch_sources(200_000, seed=3)
+    assert len(text) == 200_000 and corpus.EOF_MARK in text
+    assert text == corpus.read_torch_sources(200_000, seed=3), "same install, same seed, same text"
+    tok = corpus.Tokenizer.train(text, 300)
+    assert tok.vocab_size == 557 and tok.eof_id == 556 and tok.vocab_size % 128
+    ids = tok.encode(text)
+    assert max(ids) < tok.vocab_size and ids.count(tok.eof_id) == text.count(corpus.EOF_MARK)
+    assert tok.decode(ids) == text
+    assert tok.decode(torch.tensor(tok.encode("x = torch.zeros(3)"))) == "x = torch.zeros(3)"
+    assert len(ids) < len(text.encode("utf-8")), "frequent pieces make it shorter than bytes"
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tok.decode([tok.vocab_size])
+    with pytest.raises(ValueError, match="fewer than n_words"):
+        corpus.Tokenizer.train("a b c", 10)
+    with pytest.raises(ValueError, match="unique"):
+        corpus.Tokenizer(("ab", "ab"))
+    with pytest.raises(ValueError, match="two or more bytes"):
+        corpus.Tokenizer(("a",))
+
+
+def test_corpus_batches_are_a_function_of_the_step():
+    c = corpus.build_corpus(100_000, 100)
+    assert c.tokens.dtype == torch.int32 and c.tokens.numel() > 10_000
+    x, y = c.batch(5, 4, 32, seed=1)
+    x2, y2 = c.batch(5, 4, 32, seed=1)
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    assert not torch.equal(x, c.batch(6, 4, 32, seed=1)[0])
+    assert x.shape == y.shape == (4, 32) and x.dtype == torch.int64 and x.is_contiguous()
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    with pytest.raises(ValueError, match="batch_size"):
+        c.batch(0, 0, 32)
+    with pytest.raises(ValueError, match="more than"):
+        c.batch(0, 1, c.tokens.numel())
+    with pytest.raises(ValueError, match="step"):
+        c.batch(-1, 1, 8)
+
+
+# ----------------------------------------------------------------------------- train.py
+
+def test_help_lists_the_ladder_flags():
+    r = _train("--help", timeout=120)
+    assert r.returncode == 0, r.stderr
+    for flag in ("--rung", "--amp", "--attention", "--compile", "--fused-adamw",
+                 "--vocab-multiple", "--accum-steps", "--out", "torchrun"):
+        assert flag in r.stdout, flag
+    assert "fp32 eager" in r.stdout and "CUDA graphs" in r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--accum-steps", "3", "--batch-size", "8"], "must split into 1 process(es) x --accum-steps 3"),
+    (["--compile", "reduce-overhead"], "CUDA graphs"),
+    (["--compile", "reduce-overhead", "--accum-steps", "2"], "169545"),
+    (["--n-embd", "100", "--n-head", "3"], "divisible by --n-head"),
+    (["--steps", "0"], "--steps must be a positive integer"),
+    (["--rung", "warp drive"], "invalid choice"),
+    (["--amp", "fp64"], "invalid choice"),
+    (["--device", "tpu"], "--device must be cpu or cuda"),
+])
+def test_bad_flags_get_a_clear_error(args, message, capsys):
+    if "reduce-overhead" in args and torch.cuda.is_available():
+        pytest.skip("CUDA graphs are allowed on a GPU")
+    with pytest.raises(SystemExit) as exc:
+        train.main(["--preset", "tiny", *args])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_bad_flag_in_a_real_process_exits_2_without_a_traceback():
+    r = _train("--preset", "tiny", "--accum-steps", "0", timeout=120)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "accum_steps must be a positive int" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_smoke_run_prints_progress_and_writes_an_atomic_checkpoint(tmp_path):
+    out = tmp_path / "ck" / "gpt.pt"
+    r = _train(*SMALL, "--steps", "6", "--log-every", "3", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("step ")]
+    assert len(lines) == 2 and all("tokens/s" in ln and "MFU" in ln for ln in lines), r.stdout
+    assert "measured on this machine" in r.stdout and "checkpoint:" in r.stdout
+    assert "train:" in r.stderr and "6/6" in r.stderr, "a tqdm progress bar on stderr"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["gpt.pt"], "no temp file left"
+    state = safe_load(out)
+    assert state["step"] == 6 and state["result"]["world_size"] == 1
+    assert state["vocab_size"] == 257 + 200 == len(state["tokenizer_words"]) + 257
+    assert state["train_config"]["compile"] is None and state["train_config"]["amp"] == "bf16"
+    assert state["rung"] == "vocab padded to 128"  # the top rung that runs on a CPU
+    cfg = utils.GPTConfig(**state["gpt_config"])
+    model = utils.TinyGPT(utils.GPTConfig(**{**state["gpt_config"], "vocab_size": 512}))
+    model.load_state_dict(state["model"])  # padded to 512 = a multiple of 128 above 457
+    assert cfg.vocab_size == 457 and torch.isfinite(torch.tensor(state["result"]["final_loss"]))
+    # the extra rows of the padded vocabulary never trained
+    assert not state["model"]["tok_emb.weight"][cfg.vocab_size:].any()
+
+
+def test_an_earlier_rung_by_name_and_a_flag_on_top(tmp_path):
+    out = tmp_path / "gpt.pt"
+    r = _train(*SMALL, "--rung", "SDPA (flash)", "--amp", "fp32", "--steps", "2",
+               "--log-every", "1", "--no-progress", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "train:" not in r.stderr, "--no-progress: lines only"
+    state = safe_load(out)
+    assert state["rung"] == "SDPA (flash)"
+    assert state["train_config"] == {"tf32": True, "amp": None, "sdpa": True, "compile": None,
+                                     "fused_adamw": False, "vocab_multiple": 1,
+                                     "accum_steps": 4}
+
+
+def test_ddp_under_torchrun_with_two_gloo_processes(tmp_path):
+    out = tmp_path / "gpt.pt"
+    res = utils.distributed.launch(TRAIN, nproc=2, args=[*SMALL, "--steps", "3", "--log-every",
+                                                        "3", "--no-progress", "--out", str(out)],
+                                   timeout_s=240, echo=False)
+    assert "x 2 process(es)" in res.output and "4 per process" in res.output, res.output[-2000:]
+    assert res.output.count("checkpoint:") == 1, "rank 0 alone writes the checkpoint"
+    state = safe_load(out)
+    assert state["result"]["world_size"] == 2 and state["step"] == 3
+    assert not any(k.startswith("module.") for k in state["model"]), "the unwrapped model's keys"
