@@ -723,6 +723,8 @@ def run_rung(name: str, cfg: TrainConfig, model_fn: Callable[[TrainConfig], nn.M
             peak = None
             method = "not measured: the CPU tensor tracker does not see inside compiled kernels"
     del trainer, first, losses
+    if cfg.compile:
+        torch.compiler.reset()  # drop the compiled code and any CUDA-graph memory pool with it
     _free_device_memory(dev)
     graphs = (None if graphs_before is None or graphs_after is None
               else graphs_after - graphs_before)
@@ -770,7 +772,7 @@ def run_ladder(model_fn: Callable[[TrainConfig], nn.Module],
                           or f"SKIPPED rung {rung.name!r}: it runs on {dev}, and needs CUDA.")
                 print(reason)
                 results.append(RungResult(name=rung.name, config=candidate, ran=False,
-                                          skipped_reason=reason.split(": ", 1)[-1]))
+                                          skipped_reason=reason.split(": ", 1)[-1].rstrip(".")))
                 if bar is not None:
                     bar.update(steps)
                 continue
