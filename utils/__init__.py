@@ -40,7 +40,8 @@ from .amp import (AtenOpCounter, CPUPrecisionSupport, LossGap, TimeBreakdown, Ti
 from .plots import memory_bars, plain_log_ticks, speedup_bars, sweep_plot, use_style
 from .training import first_call_s, image_batch, lm_batch, train_step
 from .widgets import explorer
-from .kernels import KernelCount, count_kernels, enable_cpu_kernel_profile, kernel_names, kernel_source
+from .kernels import (ByteCount, KernelCount, count_bytes, count_kernels, enable_cpu_kernel_profile,
+                      kernel_names, kernel_source)
 from .attention import BackendStatus, sdpa_backend_status, sdpa_backends
 from .timing import (
     NoisyMeasurementWarning,
@@ -53,6 +54,7 @@ from .timing import (
 
 from . import distributed  # noqa: E402  (torchrun launch and worker helpers: utils.distributed)
 from . import ladder  # noqa: E402  (the capstone's speedup ladder: utils.ladder)
+from . import compiletools  # noqa: E402  (module 01's compile helpers: utils.compiletools)
 
 __version__ = "0.1.0"
 
@@ -86,7 +88,8 @@ __all__ = [
     # plots and widgets
     "explorer", "use_style", "speedup_bars", "memory_bars", "sweep_plot", "plain_log_ticks",
     # kernels and attention backends
-    "KernelCount", "count_kernels", "enable_cpu_kernel_profile", "kernel_names", "kernel_source",
+    "ByteCount", "KernelCount", "count_bytes", "count_kernels", "enable_cpu_kernel_profile",
+    "kernel_names", "kernel_source",
     "BackendStatus", "sdpa_backend_status", "sdpa_backends",
     # ledger
     "Ledger", "Measurement", "Expectation", "ExpectationNotMet", "results_dir",
