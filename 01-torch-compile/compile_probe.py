@@ -17,10 +17,13 @@ What one run does:
    (``utils.train_step``) or, with ``--workload infer``, a forward pass;
 3. compiles the model, either whole (``torch.compile(model)``) or by region
    (``block.compile()`` for every transformer block);
+   with ``--backend`` (``inductor`` by default; ``aot_eager`` and ``eager`` trace without
+   generating code, which notebook 2 uses to record a ``TORCH_TRACE`` cheaply);
 4. times the first compiled step with ``utils.first_call_s``: that call
    traces, compiles (forward, and backward for a training step) and runs once;
-5. writes a JSON result (times, dynamo/inductor cache counters, the cache
-   directory's size) to ``--out`` and prints it as the last line of stdout.
+5. writes a JSON result (times, the compile phases of ``compile_times()``,
+   dynamo/inductor cache counters, the cache directory's size) to ``--out`` and
+   prints it as the last line of stdout.
 
 Example::
 
@@ -41,6 +44,7 @@ _T0 = time.perf_counter()  # as early as possible: the import time is part of th
 
 MODES = ("whole", "regional", "eager")
 WORKLOADS = ("train", "infer")
+BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,6 +60,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--workload", choices=WORKLOADS, default="train",
                    help="train: utils.train_step (forward, backward, AdamW); infer: forward under no_grad")
+    p.add_argument("--backend", choices=BACKENDS, default="inductor",
+                   help="torch.compile backend (aot_eager / eager: trace only, no code generation)")
+    p.add_argument("--tf32", choices=("on", "off"), default="on",
+                   help="TF32 for fp32 matmuls and convolutions (utils.set_tf32), as the notebooks "
+                        "of this module set it")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: best available)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads for this process (CPU kernels specialise on it, "
@@ -75,7 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def compile_model(model, mode: str):
+def compile_model(model, mode: str, backend: str = "inductor"):
     """Return the callable to train: the whole model compiled, or its blocks compiled in place.
 
     ``block.compile()`` (``nn.Module.compile``) compiles a module in place: the
@@ -85,10 +94,10 @@ def compile_model(model, mode: str):
     import torch
 
     if mode == "whole":
-        return torch.compile(model)
+        return torch.compile(model, backend=backend)
     if mode == "regional":
         for block in model.blocks:
-            block.compile()
+            block.compile(backend=backend)
         return model
     return model  # eager: the reference
 
@@ -143,6 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     import_s = time.perf_counter() - _T0
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    utils.set_tf32(args.tf32 == "on")
     device = utils.pick_device(args.device)
     cfg = utils.GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size,
                           n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
@@ -162,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
             loaded = ({k: len(v) for k, v in kinds.items()} if isinstance(kinds, dict)
                       else str(info))
 
-    step = make_step(compile_model(model, args.mode), opt, x, y, args.workload)
+    step = make_step(compile_model(model, args.mode, args.backend), opt, x, y, args.workload)
     first_s = utils.first_call_s(step, device=device)
     second_s = utils.first_call_s(step, device=device)
 
@@ -174,8 +184,14 @@ def main(argv: list[str] | None = None) -> dict:
             saved_bytes = len(art[0])
 
     size, files = dir_bytes(cache)
+    # Where the compiled calls' time went (compile_times(); internal phase names, absent ones left out).
+    phases = utils.compiletools.compile_phase_seconds(
+        ["_compile.compile_inner", "bytecode_tracing", "OutputGraph.call_user_compiler",
+         "create_aot_dispatcher_function", "compile_fx_inner", "compile_file"])
     result = {
         "mode": args.mode,
+        "backend": args.backend,
+        "tf32": str(utils.tf32_state()),
         "device": str(device),
         "torch": torch.__version__,
         "n_layer": args.n_layer,
@@ -194,6 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
         "fxgraph_cache_miss": int(counters["inductor"]["fxgraph_cache_miss"]),
         "autograd_cache_hit": int(counters["aot_autograd"]["autograd_cache_hit"]),
         "autograd_cache_miss": int(counters["aot_autograd"]["autograd_cache_miss"]),
+        "phases": phases,
         "cache_bytes": size,
         "cache_files": files,
         "artifacts_saved_bytes": saved_bytes,
