@@ -171,3 +171,20 @@ def test_category_prefix_matching():
     assert amp._category("addmm", amp.OP_CATEGORIES) == "matmul / conv"
     assert amp._category("_to_copy", amp.OP_CATEGORIES) == "casts and copies"
     assert amp._category("gelu", amp.OP_CATEGORIES) == "other"
+
+
+def test_time_breakdown_rounds_keep_the_smallest():
+    model = torch.nn.Linear(64, 64)
+    x = torch.randn(32, 64)
+    b = utils.time_breakdown(model, x, device="cpu", calls=1, warmup=0, rounds=3)
+    assert b.calls == 3 and b.ms("matmul / conv") > 0
+    with pytest.raises(ValueError, match="rounds"):
+        utils.time_breakdown(model, x, rounds=0)
+
+
+def test_native_stderr_silenced_only_inside(capfd):
+    import os
+    with amp._native_stderr_silenced():
+        os.write(2, b"hidden")
+    os.write(2, b"shown")
+    assert capfd.readouterr().err == "shown"
