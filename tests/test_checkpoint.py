@@ -79,8 +79,25 @@ def test_foreign_file_is_a_clear_error(tmp_path):
 def test_a_pickled_module_is_refused_with_advice(tmp_path):
     path = tmp_path / "model.pt"
     torch.save(nn.Linear(2, 2), path)  # the whole module, pickled
-    with pytest.raises(CheckpointError, match="Save a state_dict"):
+    with pytest.raises(CheckpointError, match="Save a state_dict") as info:
         safe_load(path)
+    assert "torch.nn.modules.linear.Linear" in str(info.value)  # names what it refused
+    assert "\x1b[" not in str(info.value)  # no terminal colour codes
+
+
+def test_a_text_file_is_not_a_checkpoint(tmp_path):
+    path = tmp_path / "notes.pt"
+    path.write_text("not a checkpoint\n")
+    with pytest.raises(CheckpointError, match="is not a torch checkpoint: it starts with"):
+        safe_load(path)
+
+
+def test_a_legacy_pickle_checkpoint_still_loads(tmp_path):
+    path = tmp_path / "old.pt"
+    torch.save({"w": torch.arange(3.0)}, path, _use_new_zipfile_serialization=False)
+    torch.testing.assert_close(safe_load(path)["w"], torch.arange(3.0))
+    with pytest.raises(CheckpointError, match="legacy"):
+        safe_load(path, mmap=True)
 
 
 def test_missing_file(tmp_path):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,8 @@ __all__ = [
     "remove_stale_temporaries",
 ]
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 TRAINING_STATE_FORMAT = "pytorch-optimization-track/training-state"
 TRAINING_STATE_VERSION = 1
 
@@ -109,13 +112,27 @@ def safe_load(path: str | os.PathLike, *, map_location: Any = "cpu", mmap: bool 
         raise FileNotFoundError(f"no checkpoint at {p}")
     if p.stat().st_size == 0:
         raise CheckpointError(f"{p} is empty: the save that wrote it did not finish")
+    with open(p, "rb") as fh:
+        head = fh.read(4)
+    # torch.save writes a zip archive (since torch 1.6) or, in the legacy format, a pickle
+    # stream, which starts with the PROTO opcode (0x80).
+    if not (head.startswith(b"PK") or head[:1] == b"\x80"):
+        raise CheckpointError(f"{p} is not a torch checkpoint: it starts with {head!r}, neither "
+                              "a zip archive (torch.save) nor a pickle stream (legacy format)")
+    if mmap and not head.startswith(b"PK"):
+        raise CheckpointError(f"{p} is in torch's legacy (pre-1.6) format, which cannot be "
+                              "memory-mapped: load it with mmap=False, or save it again")
     try:
         return torch.load(p, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if "weights_only" in str(exc) or "Unsupported global" in str(exc):
+        text = _ANSI.sub("", str(exc))
+        first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+        if "weights_only" in text or "Unsupported global" in text:
+            found = _GLOBAL.search(text)
+            what = (f"it names {found.group(1)}, which weights_only loading does not allow"
+                    if found else first)
             raise CheckpointError(
-                f"{p} holds objects that safe loading refuses ({first}). Save a state_dict "
+                f"{p} holds objects that safe loading refuses ({what}). Save a state_dict "
                 "(tensors, dicts, numbers) instead of a whole model or optimizer object; load "
                 "with torch.load(..., weights_only=False) only a file you trust, since "
                 "unpickling can run arbitrary code") from None
