@@ -35,8 +35,30 @@ from .memory import (
     tensor_bytes,
 )
 from .models import MLP, GPTConfig, SmallCNN, TinyGPT, count_parameters
-from .precision import TF32State, fp32_matmul_precision, fp32_matmul_precision_state, set_tf32, tf32, tf32_state
-from .amp import (AtenOpCounter, CPUPrecisionSupport, LossGap, TimeBreakdown, TimingJob, best_of_rounds, count_aten_ops, cpu_precision_support, dtype_name, fp8_matmul, fp8_matmul_api, loss_gap, rel_error, time_breakdown)
+from .precision import (
+    TF32State,
+    fp32_matmul_precision,
+    fp32_matmul_precision_state,
+    set_tf32,
+    tf32,
+    tf32_state,
+)
+from .amp import (
+    AtenOpCounter,
+    CPUPrecisionSupport,
+    LossGap,
+    TimeBreakdown,
+    TimingJob,
+    best_of_rounds,
+    count_aten_ops,
+    cpu_precision_support,
+    dtype_name,
+    fp8_matmul,
+    fp8_matmul_api,
+    loss_gap,
+    rel_error,
+    time_breakdown,
+)
 from .plots import memory_bars, plain_log_ticks, speedup_bars, sweep_plot, use_style
 from .training import first_call_s, image_batch, lm_batch, train_step
 from .widgets import explorer
