@@ -145,3 +145,21 @@ def test_compiled_chain_is_one_kernel_on_cpu(kernel_profile):
     assert len(names) == 1 and names[0] in next(iter(kc.by_name))
     assert "void" in utils.kernel_source(sources[0], names[0])
     torch._dynamo.reset()
+
+
+def test_count_bytes_sums_inputs_and_outputs_of_each_op():
+    x, b = torch.randn(64, 32), torch.randn(32)
+    bc = utils.count_bytes(lambda: (x + b) * 2.0)
+    # add: read x (8 KiB) and b (128 B), write 8 KiB; mul: read 8 KiB, write 8 KiB
+    assert bc.bytes_touched == 4 * x.nbytes + b.nbytes
+    assert bc.ops == ("add", "mul")
+    assert "2 ops" in str(bc)
+
+
+def test_count_bytes_skips_views():
+    x = torch.randn(16, 8)
+    assert utils.count_bytes(lambda: x.t()[:4].unsqueeze(0)).bytes_touched == 0
+    # a reshape that cannot be a view copies: one read and one write of the data
+    assert utils.count_bytes(lambda: x.t().reshape(4, 32)).bytes_touched == x.nbytes * 2
+    with pytest.raises(TypeError):
+        utils.count_bytes(42)

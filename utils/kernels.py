@@ -35,7 +35,9 @@ import torch
 from .env import pick_device, synchronize
 
 __all__ = [
+    "ByteCount",
     "KernelCount",
+    "count_bytes",
     "count_kernels",
     "enable_cpu_kernel_profile",
     "kernel_names",
@@ -47,7 +49,8 @@ _NO_DATA_OPS = frozenset({
     "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "resize_",
     "resize_as_", "set_", "lift_fresh", "result_type", "is_nonzero", "size", "stride",
     "contiguous",  # a composite: its copy (if any) is counted as clone/copy_
-    "detach", "detach_", "_local_scalar_dense",  # aliasing, or reading one scalar
+    "detach", "detach_", "_local_scalar_dense", "_unsafe_view",  # aliasing, one scalar
+    "scalar_tensor",  # a 0-d tensor made from a Python number
 })
 # Inductor's C++ kernels, as the profiler names them with enable_kernel_profile on,
 # e.g. "graph_0_cpp_fused_add_gelu_native_dropout_0".
@@ -275,6 +278,60 @@ def enable_cpu_kernel_profile() -> bool:
         return False
     cpp.enable_kernel_profile = True
     return True
+
+
+@dataclass(frozen=True)
+class ByteCount:
+    """Bytes the operators of one call read and write, as eager mode runs them.
+
+    ``bytes_touched`` sums, over every operator that is not a view, the sizes of
+    its tensor inputs and outputs: the memory traffic of eager execution, where
+    each operator reads its inputs from memory and writes its outputs back.
+    """
+
+    bytes_touched: int
+    ops: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"{self.bytes_touched:,} bytes in {len(self.ops)} ops ({', '.join(self.ops)})"
+
+
+def count_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> ByteCount:
+    """Run ``fn`` once and add up the bytes its ATen operators read and write.
+
+    A ``TorchDispatchMode`` sees each operator with its arguments and results;
+    views (``view``, ``transpose``, ``expand``...) and allocations move no data
+    and are skipped.
+    A tensor that an op reads twice is counted twice, as a kernel would read it.
+    This is the traffic of eager mode; a fused kernel moves only its inputs and
+    outputs.
+
+    Raises:
+        TypeError: ``fn`` is not callable.
+    """
+    if not callable(fn):
+        raise TypeError(f"expected a callable, got {type(fn).__name__}")
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    total = 0
+    ops: list[str] = []
+
+    class _Bytes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+            nonlocal total
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if not getattr(func, "is_view", False) and name not in _NO_DATA_OPS:
+                flat = tree_flatten((args, kwargs or {}, out))[0]
+                total += sum(t.numel() * t.element_size() for t in flat
+                             if isinstance(t, torch.Tensor))
+                ops.append(name)
+            return out
+
+    with _Bytes():
+        fn(*args, **kwargs)
+    return ByteCount(bytes_touched=total, ops=tuple(ops))
 
 
 _KERNEL_DEF = re.compile(r"^(\w+) = async_compile\.(\w+)\(", re.M)
