@@ -1,4 +1,4 @@
-"""utils.memtools: memory timelines, the batch-size search, saved-tensor compression, host memory."""
+"""utils.memtools: memory timelines, batch-size search, saved-tensor compression, host memory."""
 
 import gc
 import pickle

@@ -9,6 +9,8 @@
   by the line of code that allocated each tensor. A CPU timeline can also
   enforce a memory budget that raises ``torch.OutOfMemoryError``, a stand-in
   for a device's limit.
+- :class:`MemoryMeter` reads the tensor memory a block of code adds, and its peak, on either
+  device (the allocator's counters on CUDA, the same storage recorder on a CPU).
 - :func:`find_max_batch` finds the largest batch that fits: it grows the batch
   until a trial raises ``torch.OutOfMemoryError``, then bisects, and leaves
   the allocator as it found it (gradients freed, no exception kept alive,
