@@ -407,7 +407,7 @@ class _Watch:
 
         ``group`` only while the subprocess has not been reaped (its pid is still its own).
         """
-        if group:
+        if group and hasattr(os, "killpg"):
             try:
                 os.killpg(self.pid, signal.SIGKILL)
             except OSError:
@@ -528,10 +528,9 @@ def _where(cell: str, message: str) -> str:
 def _score(prep: _Prepared, run: _RunResult, wall_s: float) -> tuple[list[GradeRow], list[str]]:
     graded, student, name = prep.graded, prep.submission.student, prep.name
     code = [i for i, c in enumerate(graded.cells) if c.get("cell_type") == "code"]
-    number = {cell_index: n for n, cell_index in enumerate(code)}
     records = {code[n]: rec for n, rec in run.cells.items() if 0 <= n < len(code)}
     stopped = next((i for i in code if records.get(i, {}).get("message", "").startswith(
-        ("the kernel died", "timed out"))), None)
+        ("the kernel died", "timed out", "the kernel sent no output"))), None)
     if run.killed:
         not_run = (f"not run: grading of this notebook was stopped at its wall-clock limit of "
                    f"{wall_s:g} s")

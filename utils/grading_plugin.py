@@ -147,6 +147,9 @@ def _message(item: Any, call: Any) -> str:
             return f"AssertionError at `{line}`" if line else "AssertionError"
         return f"{ename}: {evalue}" if evalue else ename
     text = str(exc) if exc is not None else "failed"
+    if "waiting for output" in text:
+        return ("the kernel sent no output for a few seconds after the cell's reply (nbval's "
+                "limit; a heavily loaded machine?), so nbval shut the kernel down")
     if "Timeout" in text:
         return (f"timed out: the cell ran past the per-cell limit of {timeout:g} s and did not "
                 "stop when interrupted, so its kernel was shut down")
