@@ -220,7 +220,7 @@ def copy_module_files(module: Path, target: Path) -> None:
         if src.is_file() and src.suffix != ".ipynb":
             dst = target / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src, dst)
+            shutil.copy(src, dst)  # with its mode: a script may be run as ./script.sh
 
 
 def release(paths: Sequence[str | os.PathLike] | None, out_dir: str | os.PathLike,
