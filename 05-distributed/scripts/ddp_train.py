@@ -436,12 +436,13 @@ def main(argv=None) -> None:
     with ud.worker(backend=backend, timeout_s=a.timeout_s) as w:
         cfg = ud.gpt_config(a)
         result = {"backend": w.backend, "world_size": w.world_size, "device": str(w.device),
-                  "threads": torch.get_num_threads()}
+                  "threads": torch.get_num_threads(), "experiment_s": {}}
         for name in a.experiments:
             t0 = time.perf_counter()
             result[name] = RUNNERS[name](a, cfg, w, a.out)
+            result["experiment_s"][name] = time.perf_counter() - t0
             if w.is_main:
-                print(f"[rank 0] {name}: done in {time.perf_counter() - t0:.1f} s", flush=True)
+                print(f"[rank 0] {name}: done in {result['experiment_s'][name]:.1f} s", flush=True)
         ud.write_rank_result(a.out, w.rank, result)
         # Tear down cleanly: free the DDP models (their reducers hold the process group and
         # gloo's pending work) while Python is fully alive, then let every rank arrive
