@@ -163,3 +163,16 @@ def test_count_bytes_skips_views():
     assert utils.count_bytes(lambda: x.t().reshape(4, 32)).bytes_touched == x.nbytes * 2
     with pytest.raises(TypeError):
         utils.count_bytes(42)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_kernels_are_counted_from_the_device_trace():
+    x = torch.randn(1024, device="cuda")
+    kc = utils.count_kernels(lambda: torch.sin(x) * 2.0, device="cuda")
+    assert kc.per_call == 2 and kc.device.startswith("cuda") and "CUDA" in kc.method
+    assert utils.count_kernels(lambda: x.view(32, 32).t(), device="cuda").kernels == 0
+    with pytest.raises(RuntimeError, match="on the CPU"):
+        utils.count_kernels(torch.sin, torch.randn(1024), device="cuda")
+    compiled = torch.compile(lambda t: torch.sin(t) * 2.0 + 1.0)
+    assert utils.count_kernels(compiled, x, device="cuda").per_call == 1

@@ -241,12 +241,21 @@ def count_kernels(fn: Callable[..., Any], *args: Any, device: str | torch.device
         device_type = torch.autograd.DeviceType.CUDA
         counts = Counter(e.name for e in events if e.device_type == device_type)
         if not counts:
-            cpu_ops = sum(1 for e in events if e.name.startswith("aten::"))
-            if cpu_ops:
+            # No device activity. Either the function launched nothing (fine: zero kernels),
+            # or the GPU side of the trace is missing, or the work ran on the CPU.
+            launches = sum(1 for e in events if "LaunchKernel" in e.name or "cuLaunch" in e.name)
+            if launches:
                 raise RuntimeError(
-                    "the profiler recorded CPU operators but no CUDA kernel: the function ran "
-                    f"on the CPU, or CUPTI is unavailable here (device {dev}). Check where the "
-                    "tensors live, or run a CUDA profiler trace by hand.")
+                    f"the trace shows {launches} kernel launch call(s) but no kernel on the GPU: "
+                    "the profiler cannot see GPU activity here (CUPTI unavailable or not "
+                    "permitted). Run a CUDA profiler trace by hand to check.")
+            cpu_compute = sum(1 for e in events if e.name.startswith("aten::")
+                              and _aten_op_kind(e.name) == "compute")
+            if cpu_compute:
+                raise RuntimeError(
+                    f"the function ran {cpu_compute} CPU operator(s) and launched no CUDA kernel: "
+                    f"its tensors are on the CPU, not on {dev}. Move them, or pass device='cpu' "
+                    "to count CPU operators.")
         method = "CUDA kernels, memsets and memcpys in a torch.profiler trace"
     else:
         counts, hidden = _counts_cpu(events)
