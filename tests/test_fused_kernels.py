@@ -106,3 +106,21 @@ def test_broken_kernel_is_caught_only_by_awkward_sizes(interpreter_result):
     broken = result["broken_kernel"]
     assert broken["awkward"]["caught"] is True
     assert broken["power of two"]["caught"] is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and fused.HAVE_TRITON),
+                    reason="needs a CUDA GPU and Triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape,block", [((1, 1), None), ((3, 1000), None), ((7, 4097), None),
+                                         ((5, 1000), 256), ((2, 3, 12289), None)])
+def test_kernel_matches_pytorch_on_the_gpu(shape, block, dtype):
+    g = torch.Generator().manual_seed(shape[-1])
+    x = torch.randn(shape, generator=g).to("cuda", dtype)
+    r = torch.randn(shape, generator=g).to("cuda", dtype)
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to("cuda", dtype)
+    h, y = fused.add_rmsnorm(x, r, w, 1e-6, block_size=block)
+    h_ref, y_ref = fused.reference_add_rmsnorm(x, r, w, 1e-6)
+    torch.testing.assert_close(h, h_ref, rtol=0, atol=0)  # one rounding of the same fp32 sum
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(y, y_ref, **tol)
