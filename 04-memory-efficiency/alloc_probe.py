@@ -95,9 +95,11 @@ def settings(torch) -> dict:
         raw = read() if read is not None else None
     except RuntimeError:
         raw = None
+    snapshot_settings = torch.cuda.memory._snapshot().get("allocator_settings")  # newer torch
     return {
         "env": {v: os.environ.get(v) for v in CONF_VARS if os.environ.get(v) is not None},
         "allocator_settings": raw,
+        "snapshot_allocator_settings": snapshot_settings,
         "backend": torch.cuda.get_allocator_backend(),
         "max_split_size": torch.cuda.memory_stats().get("max_split_size"),
     }
@@ -165,11 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         result["env"] = {v: os.environ.get(v) for v in CONF_VARS if os.environ.get(v)}
     else:
         torch.cuda.init()
-        first = torch.empty(MIB, device="cuda")  # CUDA memory in use: the settings are read
+        torch.empty(MIB, device="cuda")  # CUDA memory has been used: the settings are read
         if args.set_late is not None:
             os.environ["PYTORCH_ALLOC_CONF"] = args.set_late
             result["set_late"] = args.set_late
-        del first
         torch.cuda.empty_cache()
         result["settings"] = settings(torch)
         result["gpu"] = torch.cuda.get_device_name()

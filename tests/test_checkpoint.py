@@ -1,6 +1,5 @@
 """utils.checkpoint: atomic saves, safe loads and clear errors for bad files."""
 
-import os
 import subprocess
 import sys
 

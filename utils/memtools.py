@@ -34,7 +34,7 @@ import resource
 import sys
 import time
 import weakref
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
