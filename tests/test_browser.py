@@ -12,9 +12,9 @@ to it. Screenshots of each notebook go to the test's tmp_path (``pytest -m brows
 prints where). A notebook built to fail every check (tests/fixtures/browser/) proves
 that each check can fail.
 
-One JupyterLab server and one browser per pytest worker (ports, tokens and Jupyter
-folders of their own); each notebook's kernel is shut down after its test and the
-server, with everything it started, at the end of the session.
+One JupyterLab server and one browser per pytest worker that runs these tests (ports,
+tokens and Jupyter folders of their own); each notebook's kernel is shut down after its
+test, and the server, with everything it started, after the last test of this file.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ BROKEN = "tests/fixtures/browser/broken_page.ipynb"
 RUN_TIMEOUT_S = 300
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def chromium():
     path = bl.find_chromium()
     if path is None:
@@ -60,9 +60,12 @@ def chromium():
     return path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def lab(chromium, tmp_path_factory):
-    """One JupyterLab server per pytest worker, stopped with everything it started."""
+    """One JupyterLab server per pytest worker, stopped with everything it started.
+
+    Module scope: the server and the browser go as soon as this file's tests are done,
+    and a process left behind fails a browser test's teardown, not some later test's."""
     server = bl.start_lab(REPO, tmp_path_factory.mktemp("jupyterlab"),
                           env={"COURSE_SMOKE": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"})
     yield server
@@ -70,7 +73,7 @@ def lab(chromium, tmp_path_factory):
     assert not left, f"processes left running after JupyterLab stopped: {left}"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser(chromium):
     sync_api = pytest.importorskip("playwright.sync_api",
                                    reason="playwright is not installed: pip install -e \".[dev]\"")
@@ -86,9 +89,9 @@ def browser(chromium):
     pw.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser_context(browser):
-    """One browser context per worker: JupyterLab's scripts are loaded once, then cached."""
+    """One browser context per worker: JupyterLab's scripts load once, then come from its cache."""
     context = browser.new_context(viewport=bl.VIEWPORT)
     context.set_default_timeout(60_000)
     yield context
