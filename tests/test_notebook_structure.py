@@ -14,7 +14,7 @@ from utils.student import strip_solutions
 NOTEBOOKS = course_notebooks()
 IDS = [str(p.relative_to(REPO)) for p in NOTEBOOKS]
 MODULES = ["00-foundations", "01-torch-compile", "02-mixed-precision", "03-fused-operations",
-           "04-memory-efficiency", "05-distributed"]
+           "04-memory-efficiency", "05-distributed", "06-capstone"]
 
 
 def test_every_module_has_a_readme():
