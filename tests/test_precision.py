@@ -68,3 +68,19 @@ def test_fp32_matmul_precision_rejects_unknown_settings():
     with pytest.raises(ValueError, match="setting must be one of"):
         with utils.fp32_matmul_precision("high"):
             pass
+
+
+def test_the_old_settings_stay_readable():
+    """torch reads the old global setting in places (Inductor's bmm templates read
+    torch.backends.cuda.matmul.allow_tf32); if the per-backend setting disagrees with it,
+    that read raises "mix of the legacy and new APIs". Setting only
+    torch.backends.cuda.matmul.fp32_precision caused exactly that."""
+    for on in (True, False):
+        with utils.tf32(on) as s:
+            assert s.matmul is on
+            assert torch.backends.cuda.matmul.allow_tf32 is on  # raised before the fix
+            assert torch.get_float32_matmul_precision() == ("high" if on else "highest")
+    for setting in ("ieee", "tf32", "bf16"):
+        with utils.fp32_matmul_precision(setting):
+            torch.get_float32_matmul_precision()
+            torch.backends.cuda.matmul.allow_tf32  # noqa: B018 - must not raise

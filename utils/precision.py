@@ -5,9 +5,17 @@ Since torch 2.9 the documented controls are per backend and operation:
 ``torch.backends.cudnn.conv.fp32_precision``, each ``"tf32"`` or ``"ieee"``
 (``"none"`` inherits from the level above). The old spelling,
 ``torch.backends.cuda.matmul.allow_tf32`` / ``torch.backends.cudnn.allow_tf32``,
-is deprecated there, and mixing the two can raise or report the wrong state, so
-this module uses exactly one of them: the new one where it exists (the GPU image's
-torch 2.11 and anything newer), the old one on older torch.
+is deprecated there. The two must agree: torch keeps the old global setting
+(``torch.get_float32_matmul_precision()``) beside the per-backend ones, and reading
+the old one while they disagree raises "you have used mix of the legacy and new
+APIs". Setting only ``torch.backends.cuda.matmul.fp32_precision`` leaves them
+disagreeing, and torch itself still reads the old setting in places (Inductor's
+bmm templates read ``torch.backends.cuda.matmul.allow_tf32`` in torch 2.15; others
+have hit it inside ``torch.compile`` on 2.9-2.10). So this module sets matmul
+precision with ``torch.set_float32_matmul_precision``, which moves the old setting
+and the per-backend ones (CUDA and oneDNN matmuls) together, and convolutions with
+``torch.backends.cudnn.conv.fp32_precision`` where torch has it (the old
+``torch.backends.cudnn.allow_tf32`` before 2.9). It never sets ``allow_tf32``.
 
 TF32 changes only fp32 matmuls and convolutions on NVIDIA GPUs from Ampere (sm80)
 on; elsewhere the settings are recorded but change no result.
@@ -96,26 +104,47 @@ def set_tf32(matmul: bool, conv: bool | None = None) -> TF32State:
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
     before = tf32_state()
+    # "high" lets fp32 matmuls use TF32 (and keeps the old and new settings in step);
+    # "highest" is full fp32.
+    torch.set_float32_matmul_precision("high" if matmul else "highest")
     if before.api == "fp32_precision":
-        torch.backends.cuda.matmul.fp32_precision = "tf32" if matmul else "ieee"
         torch.backends.cudnn.conv.fp32_precision = "tf32" if conv else "ieee"
     else:
-        torch.backends.cuda.matmul.allow_tf32 = matmul
         torch.backends.cudnn.allow_tf32 = conv
     return before
 
 
+def _legacy_matmul_setting() -> str | None:
+    """The old global matmul setting, or None where the settings already disagree."""
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        return None
+
+
 def _raw() -> tuple:
+    """Everything :func:`set_tf32` and :func:`fp32_matmul_precision` touch, as it is now."""
     if _new_api():
-        return (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision)
-    return (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        mk = _mkldnn_matmul()
+        return (_legacy_matmul_setting(), torch.backends.cuda.matmul.fp32_precision,
+                mk.fp32_precision if mk is not None else None,
+                torch.backends.cudnn.conv.fp32_precision)
+    return (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
 
 
 def _restore(raw: tuple) -> None:
     if _new_api():
-        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = raw
+        legacy, cuda_matmul, mkldnn_matmul, conv = raw
+        if legacy is not None:  # first the old setting (it moves the per-backend ones) ...
+            torch.set_float32_matmul_precision(legacy)
+        torch.backends.cuda.matmul.fp32_precision = cuda_matmul  # ... then exactly as they were
+        mk = _mkldnn_matmul()
+        if mk is not None and mkldnn_matmul is not None:
+            mk.fp32_precision = mkldnn_matmul
+        torch.backends.cudnn.conv.fp32_precision = conv
     else:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = raw
+        torch.set_float32_matmul_precision(raw[0])
+        torch.backends.cudnn.allow_tf32 = raw[1]
 
 
 @contextlib.contextmanager
@@ -183,24 +212,11 @@ def fp32_matmul_precision(setting: str) -> Iterator[dict[str, str]]:
     """
     if setting not in _LEGACY_SETTING:
         raise ValueError(f"setting must be one of {sorted(_LEGACY_SETTING)}, got {setting!r}")
-    if not _new_api():
-        old = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision(_LEGACY_SETTING[setting])
-        try:
-            yield fp32_matmul_precision_state()
-        finally:
-            torch.set_float32_matmul_precision(old)
-        return
-    cuda = torch.backends.cuda.matmul
-    mk = _mkldnn_matmul()
-    old_cuda = cuda.fp32_precision
-    old_mk = mk.fp32_precision if mk is not None else None
-    cuda.fp32_precision = "ieee" if setting == "ieee" else "tf32"
-    if mk is not None:
-        mk.fp32_precision = setting
+    raw = _raw()
+    # One call sets the old global setting and, on torch >= 2.9, the per-backend ones
+    # (CUDA: tf32 for "high" and "medium"; oneDNN: tf32 / bf16) in step with it.
+    torch.set_float32_matmul_precision(_LEGACY_SETTING[setting])
     try:
         yield fp32_matmul_precision_state()
     finally:
-        cuda.fp32_precision = old_cuda
-        if mk is not None:
-            mk.fp32_precision = old_mk
+        _restore(raw)
