@@ -202,9 +202,24 @@ def count_aten_ops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[A
     return result, counter
 
 
+def _public_scaled_mm_usable() -> bool:
+    """``torch.nn.functional.scaled_mm`` exists with the arguments :func:`fp8_matmul` passes."""
+    F = torch.nn.functional
+    fn, scaling = getattr(F, "scaled_mm", None), getattr(F, "ScalingType", None)
+    if fn is None or scaling is None or not hasattr(scaling, "TensorWise"):
+        return False
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "output_dtype" in params and len(params) >= 6
+
+
 def fp8_matmul_api() -> str:
     """The scaled-matmul entry point this torch offers: the public one where it exists."""
-    if hasattr(torch.nn.functional, "scaled_mm") and hasattr(torch.nn.functional, "ScalingType"):
+    if _public_scaled_mm_usable():
         return "torch.nn.functional.scaled_mm"
     if hasattr(torch, "_scaled_mm"):
         return "torch._scaled_mm"
