@@ -84,3 +84,17 @@ def test_the_old_settings_stay_readable():
         with utils.fp32_matmul_precision(setting):
             torch.get_float32_matmul_precision()
             torch.backends.cuda.matmul.allow_tf32  # noqa: B018 - must not raise
+
+
+def test_cudnn_switches_stay_in_step_for_export():
+    """torch keeps one combined cuDNN flag beside conv's and RNN's and raises on reading it
+    unless all agree; torch.export reads it. Setting conv alone broke export."""
+
+    class Double(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    for matmul, conv in [(False, False), (True, False), (False, True), (True, True)]:
+        with utils.tf32(matmul, conv=conv) as s:
+            assert s.conv is conv and torch.backends.cudnn.allow_tf32 is conv
+            torch.export.export(Double(), (torch.randn(3),))

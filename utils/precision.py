@@ -11,11 +11,14 @@ the old one while they disagree raises "you have used mix of the legacy and new
 APIs". Setting only ``torch.backends.cuda.matmul.fp32_precision`` leaves them
 disagreeing, and torch itself still reads the old setting in places (Inductor's
 bmm templates read ``torch.backends.cuda.matmul.allow_tf32`` in torch 2.15; others
-have hit it inside ``torch.compile`` on 2.9-2.10). So this module sets matmul
-precision with ``torch.set_float32_matmul_precision``, which moves the old setting
-and the per-backend ones (CUDA and oneDNN matmuls) together, and convolutions with
-``torch.backends.cudnn.conv.fp32_precision`` where torch has it (the old
-``torch.backends.cudnn.allow_tf32`` before 2.9). It never sets ``allow_tf32``.
+have hit it inside ``torch.compile`` on 2.9-2.10). cuDNN is the same story one
+level down: torch keeps one combined cuDNN flag beside the per-operator ones (conv,
+RNN), reads it (``torch.export`` does), and raises unless all of them agree. So this
+module sets matmul precision with ``torch.set_float32_matmul_precision``, which
+moves the old setting and the per-backend ones (CUDA and oneDNN matmuls) together,
+and cuDNN with ``torch.backends.cudnn.allow_tf32``, which sets the combined flag and
+the conv and RNN ones together (measured on torch 2.14 and 2.15: no warning, and
+every setting readable afterwards). It never sets one per-backend switch alone.
 
 TF32 changes only fp32 matmuls and convolutions on NVIDIA GPUs from Ampere (sm80)
 on; elsewhere the settings are recorded but change no result.
@@ -91,7 +94,8 @@ def set_tf32(matmul: bool, conv: bool | None = None) -> TF32State:
 
     Args:
         matmul: TF32 for matmuls (cuBLAS).
-        conv: TF32 for cuDNN convolutions (default: the same as ``matmul``).
+        conv: TF32 for cuDNN convolutions, and with them cuDNN's RNNs (torch keeps the two
+            in one combined flag that must agree with them); default: the same as ``matmul``.
 
     Returns:
         The state before the change.
@@ -107,10 +111,7 @@ def set_tf32(matmul: bool, conv: bool | None = None) -> TF32State:
     # "high" lets fp32 matmuls use TF32 (and keeps the old and new settings in step);
     # "highest" is full fp32.
     torch.set_float32_matmul_precision("high" if matmul else "highest")
-    if before.api == "fp32_precision":
-        torch.backends.cudnn.conv.fp32_precision = "tf32" if conv else "ieee"
-    else:
-        torch.backends.cudnn.allow_tf32 = conv
+    torch.backends.cudnn.allow_tf32 = conv  # the combined flag, conv and RNN, in step
     return before
 
 
@@ -122,26 +123,39 @@ def _legacy_matmul_setting() -> str | None:
         return None
 
 
+def _legacy_cudnn_flag() -> bool | None:
+    """The combined cuDNN flag, or None where it already disagrees with conv or RNN."""
+    try:
+        return bool(torch.backends.cudnn.allow_tf32)
+    except RuntimeError:
+        return None
+
+
 def _raw() -> tuple:
     """Everything :func:`set_tf32` and :func:`fp32_matmul_precision` touch, as it is now."""
     if _new_api():
         mk = _mkldnn_matmul()
         return (_legacy_matmul_setting(), torch.backends.cuda.matmul.fp32_precision,
-                mk.fp32_precision if mk is not None else None,
-                torch.backends.cudnn.conv.fp32_precision)
+                mk.fp32_precision if mk is not None else None, _legacy_cudnn_flag(),
+                torch.backends.cudnn.conv.fp32_precision, torch.backends.cudnn.rnn.fp32_precision)
     return (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
 
 
 def _restore(raw: tuple) -> None:
     if _new_api():
-        legacy, cuda_matmul, mkldnn_matmul, conv = raw
-        if legacy is not None:  # first the old setting (it moves the per-backend ones) ...
+        legacy, cuda_matmul, mkldnn_matmul, legacy_cudnn, conv, rnn = raw
+        # First the combined settings (each moves the per-backend ones with it), then the
+        # per-backend ones exactly as they were.
+        if legacy is not None:
             torch.set_float32_matmul_precision(legacy)
-        torch.backends.cuda.matmul.fp32_precision = cuda_matmul  # ... then exactly as they were
+        if legacy_cudnn is not None:
+            torch.backends.cudnn.allow_tf32 = legacy_cudnn
+        torch.backends.cuda.matmul.fp32_precision = cuda_matmul
         mk = _mkldnn_matmul()
         if mk is not None and mkldnn_matmul is not None:
             mk.fp32_precision = mkldnn_matmul
         torch.backends.cudnn.conv.fp32_precision = conv
+        torch.backends.cudnn.rnn.fp32_precision = rnn
     else:
         torch.set_float32_matmul_precision(raw[0])
         torch.backends.cudnn.allow_tf32 = raw[1]
