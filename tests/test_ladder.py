@@ -84,6 +84,20 @@ def test_the_ladder_is_cumulative_and_well_formed():
         L.Rung("bad", {"flash": True})
 
 
+def test_rung_keys_are_short_unique_and_typed_on_command_lines():
+    keys = [r.key for r in L.LADDER]
+    assert keys == ["fp32", "tf32", "amp", "sdpa", "micro-batch", "compile", "fused-adamw",
+                    "pad-vocab", "cuda-graphs"]
+    assert [r.key for r in L.default_ladder("fp16")] == keys, "the same keys whatever the dtype"
+    assert L.Rung("My Rung (v2)", {}).key == "my-rung-v2", "derived from the name"
+    with pytest.raises(ValueError, match="key"):
+        L.Rung("x", {}, key="Has Space")
+    # what the review found wrong: the CPU runs AdamW's per-parameter loop, and CUDA graphs
+    # replay only the compiled model and loss
+    assert "loop on a CPU" in L.LADDER[0].why
+    assert "stay eager" in L.LADDER[-1].why and "whole step" not in L.LADDER[-1].why
+
+
 def test_padded_size():
     assert L.padded_size(50257, 128) == 50304
     assert L.padded_size(128, 128) == 128 and L.padded_size(1, 128) == 128
@@ -133,8 +147,16 @@ def test_gpt_model_fn_same_weights_and_a_padding_that_changes_nothing():
     loss.backward()
     assert padded.tok_emb.weight.grad[TINY.vocab_size:].abs().max().item() == 0.0
     # the negative control: without the cut, the extra (zero) logits enter the softmax
-    uncut = L.LossModule(padded, None)(x, y)
+    uncut = L.LossModule(padded, 64)(x, y)
     assert (uncut - ref).item() > 0.5 * math.log(64 / TINY.vocab_size)
+    # ... and the silent way to make that mistake is refused
+    assert padded.real_vocab_size == TINY.vocab_size and a.real_vocab_size == TINY.vocab_size
+    with pytest.raises(ValueError, match="padded from 61 to 64"):
+        L.LossModule(padded, None)
+    with pytest.raises(ValueError, match="padded"):
+        L.Trainer(padded, L.TrainConfig(), device="cpu")  # num_classes forgotten
+    L.LossModule(a, None)  # an unpadded model needs no num_classes
+    L.LossModule(utils.SmallCNN(width=4), None)  # nor a model without the tag
 
 
 def test_loss_module_needs_enough_logits():
@@ -200,10 +222,26 @@ def test_count_step_flops_matches_the_formula_and_leaves_the_model_alone():
     assert all(p.device.type == "cpu" and p.grad is None for p in model.parameters())
 
 
-def test_measure_ceilings_tflops_on_cpu():
+def test_measure_ceilings_tflops_on_cpu(monkeypatch):
     ceil = L.measure_ceilings_tflops(("fp32", "tf32", "bf16"), "cpu", n=64,
                                      min_run_time_s=0.02, rounds=2)
     assert set(ceil) == {"fp32", "tf32", "bf16"} and all(v > 0 for v in ceil.values())
+    # no TF32 on a CPU: the tf32 matmul is the fp32 one, measured once, the same ceiling
+    assert not L.tf32_exists("cpu") and ceil["tf32"] == ceil["fp32"]
+    calls = []
+
+    def fake(dev, dtype, n, min_run_time_s):
+        calls.append((dtype, n))
+        return 1.0 + len(calls)
+
+    monkeypatch.setattr(L, "measure_matmul_tflops", fake)
+    out = L.measure_ceilings_tflops(("tf32",), "cpu", quick=True, rounds=2)
+    assert list(out) == ["tf32"] and out["tf32"] == 3.0, "fp32 measured for it, best round kept"
+    assert calls == [(torch.float32, L.QUICK_CEILING_N_CPU)] * 2
+    calls.clear()
+    L.measure_ceilings_tflops(("bf16",), "cpu", rounds=1)
+    assert calls == [(torch.bfloat16, None)], "not quick: utils.measure_matmul_tflops' defaults"
+    assert L.ceiling_matmul_size("cpu", quick=False) is None
     with pytest.raises(ValueError, match="kinds"):
         L.measure_ceilings_tflops(("fp64",), "cpu", n=64)
     with pytest.raises(ValueError, match="rounds"):
@@ -219,33 +257,43 @@ def test_run_ladder_eager_rungs_and_a_cuda_rung_skipped_on_cpu(capsys):
     fn = L.gpt_model_fn(TINY, seed=0)
     base = L.TrainConfig(accum_steps=2)
     flops = L.count_step_flops(fn(base), *tiny_batch(0), num_classes=TINY.vocab_size)
-    rungs = (L.Rung("fp32 eager", {}), L.Rung("bf16", {"amp": "bf16"}),
+    rungs = (L.Rung("fp32 eager", {}), L.Rung("tf32", {"tf32": True}), L.Rung("bf16", {"amp": "bf16"}),
              L.Rung("graphs", {"compile": "reduce-overhead", "accum_steps": 1}, needs_cuda=True),
              L.Rung("sdpa", {"sdpa": True}))
     results = L.run_ladder(fn, tiny_batch, steps=4, flops_per_step=flops, ceilings=CEIL,
                            base=base, rungs=rungs, device="cpu", num_classes=TINY.vocab_size,
                            lr=1e-2, warmup_steps=2, loss_window=2, min_run_time_s=0.05,
                            progress=False)
-    assert [r.name for r in results] == ["fp32 eager", "bf16", "graphs", "sdpa"]
-    skipped = results[2]
+    assert [r.name for r in results] == ["fp32 eager", "tf32", "bf16", "graphs", "sdpa"]
+    skipped = results[3]
     assert not skipped.ran and "CUDA" in skipped.skipped_reason
     assert "SKIPPED" in capsys.readouterr().out
     # the rung after a skipped one builds on the last rung that ran
-    assert results[3].config == L.TrainConfig(amp="bf16", sdpa=True, accum_steps=2)
+    assert results[4].config == L.TrainConfig(tf32=True, amp="bf16", sdpa=True, accum_steps=2)
+    # TF32 on a CPU: it runs, and says it is the same computation
+    assert results[1].ran and "no TF32" in results[1].noop_reason
+    assert results[1].losses == results[0].losses
+    assert not any(r.noop_reason for r in results if r.name != "tf32")
     fp32 = results[0]
     assert fp32.ran and len(fp32.losses) == 4 and fp32.items_per_step == 8 * TINY.block_size
     assert fp32.items_per_s == pytest.approx(fp32.items_per_step / (fp32.median_ms / 1e3))
     assert fp32.mfu == pytest.approx(fp32.achieved_tflops / CEIL["fp32"])
     assert fp32.final_loss == pytest.approx(sum(fp32.losses[-2:]) / 2)
     assert fp32.peak_bytes > 0 and fp32.warmup_s > 0 and fp32.graphs_compiled == 0
+    assert fp32.fx_cache_hits == 0 and fp32.first_loss == fp32.losses[0]
     # same weights, same batches: the first losses agree across rungs
-    for r in (results[1], results[3]):
-        assert r.losses[0] == pytest.approx(fp32.losses[0], rel=1e-2)
+    for r in (results[2], results[4]):
+        assert r.losses[0] == pytest.approx(fp32.losses[0], rel=1e-3)
     assert skipped.items_per_s is None and skipped.mfu is None and skipped.final_loss is None
     table = L.ladder_table(results, ("bf16", CEIL["bf16"]))
-    assert "not run here" in table and "vs bf16" in table
-    fig = L.plot_ladder(results, reference=("bf16", CEIL["bf16"]))
+    assert "not run here" in table and "vs bf16" in table and "no-op here" in table
+    baseline_row = table.splitlines()[1]
+    assert "-x" not in baseline_row and " 1.00x " in baseline_row
+    assert {"ms/step", "this", "warm-up"} <= set(L.TABLE_COLUMNS)
+    fig = L.plot_ladder(results, reference=("bf16", CEIL["bf16"]), drift=0.05, loss_tol=0.02)
     assert len(fig.axes) == 4
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert "1" in labels and len(labels) >= 2, labels
     import matplotlib.pyplot as plt
     plt.close(fig)
 
@@ -262,6 +310,7 @@ def test_run_rung_compiled_counts_one_graph():
                    ceilings=CEIL, device="cpu", num_classes=4, min_run_time_s=0.02,
                    item_name="row")
     assert r.ran and r.graphs_compiled == 1 and len(r.losses) == 3
+    assert isinstance(r.fx_cache_hits, int) and 0 <= r.fx_cache_hits <= 2  # forward, backward
     assert r.peak_bytes is None and "not measured" in r.memory_method  # CPU tracker: eager only
     assert r.items_per_step == 8 and r.item_name == "row"
 
@@ -282,3 +331,41 @@ def test_run_rung_argument_errors():
                                                                     L.Rung("a", {})), **kw)
     with pytest.raises(ValueError, match="reference"):
         L.ladder_table([L.RungResult("a", L.TrainConfig(), ran=False)], ("bf16", 0.0))
+
+
+# ----------------------------------------------------------------------------- verdicts, ticks
+
+def _result(name: str, ms: float, iqr: float = 0.0, noop: str = "", ran: bool = True):
+    return L.RungResult(name, L.TrainConfig(), ran=ran, median_ms=ms if ran else None,
+                        iqr_ms=iqr if ran else None, items_per_step=10, noop_reason=noop,
+                        losses=(1.0,), skipped_reason="" if ran else "needs CUDA")
+
+
+def test_rung_verdicts_read_changes_against_the_noise():
+    results = [_result("base", 100.0, iqr=1.0), _result("same", 100.0, noop="no TF32 here"),
+               _result("faster", 80.0), _result("noisy", 75.0, iqr=15.0),
+               _result("slower", 100.0), _result("graphs", 0, ran=False), _result("flat", 98.0)]
+    v = {x.name: x for x in L.rung_verdicts(results, floor=0.03)}
+    assert v["base"].verdict == "baseline" and v["base"].factor is None
+    assert v["same"].verdict == "no-op here"
+    assert v["faster"].verdict == "pays" and v["faster"].factor == pytest.approx(1.25)
+    # 80 -> 75 ms is x1.07, but the rung's own spread is 20%: not a result
+    assert v["noisy"].verdict == "does not pay" and v["noisy"].band == pytest.approx(0.2)
+    assert v["slower"].verdict == "slower" and v["slower"].band == pytest.approx(0.2)  # 75 -> 100
+    assert v["graphs"].verdict == "not run" and v["graphs"].factor is None
+    # the rung after one that did not run is read against the last rung that ran
+    assert v["flat"].verdict == "does not pay" and v["flat"].factor == pytest.approx(100 / 98)
+    # a drift of the baseline over the run widens every band
+    v = {x.name: x for x in L.rung_verdicts(results, floor=0.03, drift=0.3)}
+    assert v["faster"].verdict == "does not pay" and v["faster"].band == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="baseline"):
+        L.rung_verdicts([_result("graphs", 0, ran=False)])
+    with pytest.raises(ValueError, match="drift"):
+        L.rung_verdicts(results, drift=-0.1)
+
+
+def test_log_ticks_are_round_and_include_one():
+    assert L._log_ticks(0.86, 1.7) == [0.9, 1.0, 1.1, 1.25, 1.5]
+    many = L._log_ticks(0.05, 200)
+    assert 1.0 in many and len(many) <= 10 and many == sorted(many)
+    assert L._log_ticks(0.97, 1.03) == [1.0]

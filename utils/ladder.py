@@ -34,6 +34,7 @@ import copy
 import dataclasses
 import gc
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -65,9 +66,16 @@ __all__ = [
     "Trainer",
     "count_step_flops",
     "measure_ceilings_tflops",
+    "ceiling_matmul_size",
+    "tf32_exists",
+    "QUICK_CEILING_N_CPU",
+    "QUICK_CEILING_N_CUDA",
     "run_rung",
     "run_ladder",
     "ladder_table",
+    "TABLE_COLUMNS",
+    "Verdict",
+    "rung_verdicts",
     "plot_ladder",
 ]
 
@@ -236,13 +244,15 @@ class Rung:
     """One step up the ladder: a name, the settings it changes, and what it needs.
 
     Attributes:
-        name: a short label for tables and plots.
+        name: a label for tables and plots.
         changes: :class:`TrainConfig` fields and their new values.
         needs_cuda: the rung only makes sense on a CUDA GPU; elsewhere it is shown as
             not run, with the reason, and the next rung builds on the one before it.
         language_model_only: the rung changes the attention or the vocabulary, so it
             changes nothing in a model without them (a CNN).
         why: one line on what the rung changes.
+        key: a short name without spaces, for command lines (``train.py --rung sdpa``);
+            empty: derived from ``name`` (lower case, runs of other characters as ``-``).
     """
 
     name: str
@@ -250,10 +260,17 @@ class Rung:
     needs_cuda: bool = False
     language_model_only: bool = False
     why: str = ""
+    key: str = ""
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("a rung needs a name")
+        if not self.key:
+            object.__setattr__(self, "key", re.sub(r"[^a-z0-9]+", "-", self.name.lower())
+                               .strip("-"))
+        if not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", self.key):
+            raise ValueError(f"rung {self.name!r}: key {self.key!r} must be lower-case letters, "
+                             "digits, '-' or '_' (it is typed on command lines)")
         known = {f.name for f in dataclasses.fields(TrainConfig)}
         unknown = sorted(set(self.changes) - known)
         if unknown:
@@ -280,21 +297,26 @@ def default_ladder(amp: str = "bf16") -> tuple[Rung, ...]:
         raise ValueError(f"amp must be one of {list(AMP_DTYPES)}, got {amp!r}")
     amp_name = "bf16 autocast" if amp == "bf16" else "fp16 autocast + GradScaler"
     return (
-        Rung("fp32 eager", {}, why="fp32 matmuls, hand-written attention, for-each AdamW"),
-        Rung("TF32 matmuls", {"tf32": True},
+        Rung("fp32 eager", {}, key="fp32",
+             why="fp32 matmuls, hand-written attention, default AdamW (foreach on CUDA, "
+                 "a per-parameter loop on a CPU)"),
+        Rung("TF32 matmuls", {"tf32": True}, key="tf32",
              why="fp32 matmuls on tensor cores with a 10-bit mantissa (sm80+ GPUs only)"),
-        Rung(amp_name, {"amp": amp}, why="matmuls in 16-bit, the loss and the weights in fp32"),
-        Rung("SDPA (flash)", {"sdpa": True}, language_model_only=True,
+        Rung(amp_name, {"amp": amp}, key="amp",
+             why="matmuls in 16-bit, the loss and the weights in fp32"),
+        Rung("SDPA (flash)", {"sdpa": True}, language_model_only=True, key="sdpa",
              why="one fused attention kernel; never writes the T x T score matrix"),
-        Rung("bigger micro-batch", {"accum_steps": 1},
+        Rung("bigger micro-batch", {"accum_steps": 1}, key="micro-batch",
              why="one large micro-batch instead of accumulating small ones (same batch/step)"),
-        Rung("torch.compile", {"compile": "default"},
-             why="the model and the loss fused into generated kernels"),
-        Rung("fused AdamW", {"fused_adamw": True}, why="the optimizer update in one kernel"),
+        Rung("torch.compile", {"compile": "default"}, key="compile",
+             why="the model and the loss compiled together into generated kernels"),
+        Rung("fused AdamW", {"fused_adamw": True}, key="fused-adamw",
+             why="AdamW(fused=True): the optimizer update in one kernel"),
         Rung("vocab padded to 128", {"vocab_multiple": 128}, language_model_only=True,
-             why="embedding and head rows padded to a multiple of 128"),
-        Rung("CUDA graphs", {"compile": "reduce-overhead"}, needs_cuda=True,
-             why="the whole step replayed as one CUDA graph: no per-kernel launch cost"),
+             key="pad-vocab", why="embedding and head rows padded to a multiple of 128"),
+        Rung("CUDA graphs", {"compile": "reduce-overhead"}, needs_cuda=True, key="cuda-graphs",
+             why="compile mode reduce-overhead: the compiled forward and backward each replayed "
+                 "as a CUDA graph; zero_grad, the AdamW step and the scheduler stay eager"),
     )
 
 
@@ -358,6 +380,10 @@ def gpt_model_fn(gpt_cfg: GPTConfig, seed: int = 0) -> Callable[[TrainConfig], T
     the padded size: they are never an input (no token id reaches them) and the loss
     never sees their logits (:class:`LossModule` keeps the real classes only), so they
     get no gradient and stay zero. The attention follows ``config.sdpa``.
+
+    Every model it returns carries its real vocabulary size as ``model.real_vocab_size``,
+    so that :class:`LossModule` refuses a padded model without ``num_classes`` (a loss
+    over the padded logits trains a different model, and only slightly worse).
     """
     with torch.random.fork_rng(devices=[]):  # leave the caller's random state alone
         torch.manual_seed(seed)
@@ -376,8 +402,10 @@ def gpt_model_fn(gpt_cfg: GPTConfig, seed: int = 0) -> Callable[[TrainConfig], T
             state["tok_emb.weight"] = state["head.weight"] = emb
             model.load_state_dict(state)
         set_attention(model, cfg.sdpa)
+        model.real_vocab_size = gpt_cfg.vocab_size  # type: ignore[assignment]
         return model
 
+    template.real_vocab_size = gpt_cfg.vocab_size  # type: ignore[assignment]
     model_fn.template = template  # type: ignore[attr-defined]
     return model_fn
 
@@ -387,12 +415,26 @@ class LossModule(nn.Module):
 
     Logits beyond ``num_classes`` (a padded vocabulary's extra rows) are cut off before
     the loss: it is computed over the real classes only, exactly as without padding.
+
+    Raises:
+        ValueError: ``num_classes`` is not a positive int, or it is ``None`` for a model
+            that says it is padded (a ``real_vocab_size`` attribute, set by
+            :func:`gpt_model_fn`, below its head's size): pass the real size, or the
+            padded size on purpose to put every logit into the softmax.
     """
 
     def __init__(self, model: nn.Module, num_classes: int | None = None) -> None:
         super().__init__()
         if num_classes is not None:
             _positive_int("num_classes", num_classes)
+        else:
+            real = getattr(model, "real_vocab_size", None)
+            head = getattr(getattr(model, "head", None), "out_features", None)
+            if real is not None and head is not None and head != real:
+                raise ValueError(
+                    f"this model's vocabulary is padded from {real} to {head} rows: pass "
+                    f"num_classes={real} so that the loss sees the real vocabulary only "
+                    f"(num_classes={head} puts the padded logits into the softmax on purpose)")
         self.model = model
         self.num_classes = num_classes
 
@@ -537,17 +579,57 @@ def count_step_flops(model: nn.Module, inputs: torch.Tensor, targets: torch.Tens
     return count_flops(fwd_bwd).total_flops
 
 
-def measure_ceilings_tflops(kinds: Sequence[str] = ("fp32", "tf32", "bf16"),
-                            device: str | torch.device | None = None, n: int = 4096,
-                            min_run_time_s: float = 0.5, rounds: int = 2) -> dict[str, float]:
-    """Measured TFLOP/s of an ``n x n`` matmul on this machine, per kind of matmul.
+#: The matmul size of a *quick* ceiling on a CPU (smoke-size notebooks, train.py's tiny
+#: preset): a 2048-wide fp32 matmul, the default, takes seconds per call on one slow core.
+QUICK_CEILING_N_CPU = 512
+#: The same on a GPU: large enough to keep the tensor cores busy, quick to time.
+QUICK_CEILING_N_CUDA = 4096
 
-    ``"fp32"`` runs with TF32 off, ``"tf32"`` is an fp32 matmul with TF32 allowed (the
-    same as fp32 where TF32 does not exist: CPUs, GPUs before sm80), ``"bf16"`` and
-    ``"fp16"`` are 16-bit matmuls (with fp32 accumulation). Each kind is measured with
-    :func:`utils.measure_matmul_tflops` in ``rounds`` interleaved rounds and the fastest
-    round is kept: other work on a shared machine only ever slows a matmul down, and a
-    ceiling that is too low would inflate every MFU measured against it.
+
+def tf32_exists(device: str | torch.device | None = None) -> bool:
+    """Whether fp32 matmuls on ``device`` can run as TF32 (CUDA sm80+); elsewhere turning
+    TF32 on changes nothing, and a "tf32" matmul is the fp32 one."""
+    dev = pick_device(device)
+    return dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (8, 0)
+
+
+def ceiling_matmul_size(device: str | torch.device | None = None,
+                        quick: bool = False) -> int | None:
+    """The matmul size :func:`measure_ceilings_tflops` uses: ``None`` (the defaults of
+    :func:`utils.measure_matmul_tflops`: the best of sizes big enough for the device) or,
+    when ``quick``, :data:`QUICK_CEILING_N_CPU` / :data:`QUICK_CEILING_N_CUDA`."""
+    if not quick:
+        return None
+    return QUICK_CEILING_N_CUDA if pick_device(device).type == "cuda" else QUICK_CEILING_N_CPU
+
+
+def measure_ceilings_tflops(kinds: Sequence[str] = ("fp32", "tf32", "bf16"),
+                            device: str | torch.device | None = None, *, quick: bool = False,
+                            n: int | None = None, min_run_time_s: float = 0.3,
+                            rounds: int = 2) -> dict[str, float]:
+    """Measured TFLOP/s of square matmuls on this machine, per kind of matmul.
+
+    The one ceiling routine of the capstone: the notebook and ``train.py`` both call it,
+    so that their MFUs are against the same measurement.
+
+    ``"fp32"`` runs with TF32 off, ``"tf32"`` is an fp32 matmul with TF32 allowed,
+    ``"bf16"`` and ``"fp16"`` are 16-bit matmuls (with fp32 accumulation). Where TF32
+    does not exist (:func:`tf32_exists`: CPUs, GPUs before sm80) the "tf32" matmul *is*
+    the fp32 one, so it is not measured twice: ``"tf32"`` gets the fp32 figure, and two
+    rungs that differ only in TF32 are measured against the same ceiling.
+
+    Each kind is measured with :func:`utils.measure_matmul_tflops` in ``rounds``
+    interleaved rounds and the fastest round is kept: other work on a shared machine only
+    ever slows a matmul down, and a ceiling that is too low would inflate every MFU
+    measured against it.
+
+    Args:
+        kinds: which matmuls to measure.
+        device: where (default: :func:`utils.pick_device`).
+        quick: a small matmul (:func:`ceiling_matmul_size`), for smoke-size runs.
+        n: the matmul size; overrides ``quick`` (default: :func:`ceiling_matmul_size`).
+        min_run_time_s: time per size and round.
+        rounds: interleaved rounds; the best is kept.
 
     Raises:
         ValueError: an unknown kind, or ``rounds`` below 1.
@@ -558,14 +640,21 @@ def measure_ceilings_tflops(kinds: Sequence[str] = ("fp32", "tf32", "bf16"),
         raise ValueError(f"kinds must be a non-empty selection of {known}, got {list(kinds)}")
     _positive_int("rounds", rounds)
     dev = pick_device(device)
+    size = n if n is not None else ceiling_matmul_size(dev, quick)
+    same_as_fp32 = "tf32" in kinds and not tf32_exists(dev)
+    measured = [k for k in dict.fromkeys(kinds) if not (k == "tf32" and same_as_fp32)]
+    if same_as_fp32 and "fp32" not in measured:
+        measured.insert(0, "fp32")
     out: dict[str, float] = {}
     for _ in range(rounds):
-        for kind in kinds:
+        for kind in measured:
             dtype = AMP_DTYPES.get(kind, torch.float32)
             with tf32_context(kind == "tf32"):
-                tflops = measure_matmul_tflops(dev, dtype, n, min_run_time_s)
+                tflops = measure_matmul_tflops(dev, dtype, size, min_run_time_s)
             out[kind] = max(out.get(kind, 0.0), tflops)
-    return out
+    if same_as_fp32:
+        out["tf32"] = out["fp32"]
+    return {k: out[k] for k in kinds}
 
 
 # ----------------------------------------------------------------------------- one rung
@@ -575,7 +664,11 @@ class RungResult:
     """What one rung measured (or why it did not run).
 
     Times are per optimizer step (all micro-batches); ``items`` are what the targets
-    count: tokens for a language model, images for a classifier.
+    count: tokens for a language model, images for a classifier. ``graphs_compiled`` and
+    ``fx_cache_hits`` count what Dynamo compiled during the rung and how many of the
+    compiled graphs (forward and backward count apart) Inductor found in its on-disk
+    cache; ``noop_reason`` says why the rung computes exactly what the rung before it
+    computed on this machine (TF32 where TF32 does not exist), empty otherwise.
     """
 
     name: str
@@ -593,8 +686,10 @@ class RungResult:
     memory_method: str = ""
     warmup_s: float | None = None
     graphs_compiled: int | None = None
+    fx_cache_hits: int | None = None
     losses: tuple[float, ...] = field(default=(), repr=False)
     loss_window: int = 1
+    noop_reason: str = ""
 
     @property
     def items_per_s(self) -> float | None:
@@ -623,6 +718,11 @@ class RungResult:
         return None if a is None else a / ceiling_tflops
 
     @property
+    def first_loss(self) -> float | None:
+        """The loss of the first step: the initial weights on batch 0, before any update."""
+        return self.losses[0] if self.losses else None
+
+    @property
     def final_loss(self) -> float | None:
         """Mean loss over the last ``loss_window`` steps of the curve."""
         if not self.losses:
@@ -638,6 +738,19 @@ def _graphs_compiled() -> int | None:
     except ImportError:  # pragma: no cover - every supported torch has it
         return None
     return int(counters["stats"]["unique_graphs"])
+
+
+def _fx_cache_hits() -> int | None:
+    """Inductor's count of FX graphs loaded from its cache so far (None if unavailable)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:  # pragma: no cover
+        return None
+    return int(counters["inductor"].get("fxgraph_cache_hit", 0))
+
+
+def _delta(before: int | None, after: int | None) -> int | None:
+    return None if before is None or after is None else after - before
 
 
 def _free_device_memory(dev: torch.device) -> None:
@@ -659,6 +772,9 @@ def run_rung(name: str, cfg: TrainConfig, model_fn: Callable[[TrainConfig], nn.M
        a fresh model from ``model_fn(cfg)`` and its :class:`Trainer`.
     2. The loss curve: steps ``0 .. steps-1`` on ``batch_fn(0) .. batch_fn(steps-1)``.
        The first step is timed apart (``warmup_s``: compilation, allocation, autotuning).
+       With CUDA graphs (cudagraph trees) the first call of the compiled function is a
+       warm-up run and the graphs are recorded on a later call, so recording lands in the
+       loss-curve steps, not in ``warmup_s``.
     3. Step time with :func:`utils.benchmark` on the next batch, ``batch_fn(steps)``.
     4. Peak memory. On CUDA: the allocator's peak over the whole rung, above what was
        allocated before it (weights, gradients, optimizer state, activations, CUDA-graph
@@ -692,7 +808,7 @@ def run_rung(name: str, cfg: TrainConfig, model_fn: Callable[[TrainConfig], nn.M
             start_bytes = torch.cuda.memory_allocated(dev)
         trainer = Trainer(model_fn(cfg).to(dev), cfg, device=dev, num_classes=num_classes,
                           lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps)
-        graphs_before = _graphs_compiled()
+        graphs_before, hits_before = _graphs_compiled(), _fx_cache_hits()
         x0, y0 = batch_fn(0)
         first: list[torch.Tensor] = []
         warmup_s = first_call_s(lambda: first.append(trainer.step(x0, y0)), device=dev)
@@ -704,7 +820,7 @@ def run_rung(name: str, cfg: TrainConfig, model_fn: Callable[[TrainConfig], nn.M
             if on_step:
                 on_step()
         loss_values = tuple(float(v) for v in torch.stack(losses).float().cpu())
-        graphs_after = _graphs_compiled()
+        graphs_after, hits_after = _graphs_compiled(), _fx_cache_hits()
         xt, yt = batch_fn(steps)
         items = int(yt.numel())
         timing = benchmark(trainer.step, xt, yt, label=name, device=dev,
@@ -726,14 +842,14 @@ def run_rung(name: str, cfg: TrainConfig, model_fn: Callable[[TrainConfig], nn.M
     if cfg.compile:
         torch.compiler.reset()  # drop the compiled code and any CUDA-graph memory pool with it
     _free_device_memory(dev)
-    graphs = (None if graphs_before is None or graphs_after is None
-              else graphs_after - graphs_before)
     return RungResult(
         name=name, config=cfg, ran=True, median_ms=timing.median_ms, iqr_ms=timing.iqr_ms,
         items_per_step=items, item_name=item_name, flops_per_step=int(flops_per_step),
         ceiling_kind=cfg.ceiling_kind, ceiling_tflops=float(ceilings[cfg.ceiling_kind]),
-        peak_bytes=peak, memory_method=method, warmup_s=warmup_s, graphs_compiled=graphs,
-        losses=loss_values, loss_window=loss_window)
+        peak_bytes=peak, memory_method=method, warmup_s=warmup_s,
+        graphs_compiled=_delta(graphs_before, graphs_after),
+        fx_cache_hits=_delta(hits_before, hits_after), losses=loss_values,
+        loss_window=loss_window)
 
 
 def run_ladder(model_fn: Callable[[TrainConfig], nn.Module],
@@ -745,7 +861,9 @@ def run_ladder(model_fn: Callable[[TrainConfig], nn.Module],
     """Climb ``rungs`` from ``base``: each rung adds its changes to the last rung that ran.
 
     A rung that needs CUDA on a machine without it is not run: it gets a result with
-    ``ran=False`` and the reason, and the next rung builds on the one before it.
+    ``ran=False`` and the reason, and the next rung builds on the one before it. A rung
+    that only turns TF32 on, on a device without TF32, runs (its timing shows the run-to-run
+    noise of the same computation) and says so in ``noop_reason``.
     ``rung_kwargs`` go to :func:`run_rung` (``num_classes``, ``lr``, ``warmup_steps``,
     ``loss_window``, ``min_run_time_s``, ``item_name``, ...).
 
@@ -778,10 +896,13 @@ def run_ladder(model_fn: Callable[[TrainConfig], nn.Module],
                 continue
             if bar is not None:
                 bar.set_postfix_str(rung.name)
-            results.append(run_rung(rung.name, candidate, model_fn, batch_fn, steps=steps,
-                                    flops_per_step=flops_per_step, ceilings=ceilings,
-                                    device=dev, on_step=(bar.update if bar is not None else None),
-                                    **rung_kwargs))
+            result = run_rung(rung.name, candidate, model_fn, batch_fn, steps=steps,
+                              flops_per_step=flops_per_step, ceilings=ceilings, device=dev,
+                              on_step=(bar.update if bar is not None else None), **rung_kwargs)
+            if set(candidate.changes_from(current)) == {"tf32"} and not tf32_exists(dev):
+                result = dataclasses.replace(
+                    result, noop_reason=f"no TF32 on {dev.type}: the same fp32 matmuls")
+            results.append(result)
             current = candidate
     finally:
         if bar is not None:
@@ -803,14 +924,92 @@ def _check_reference(reference: tuple[str, float] | None) -> None:
         raise ValueError(f"reference must be (name, ceiling TFLOP/s > 0), got {reference!r}")
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What one rung did to the step time, read against the noise of the measurement.
+
+    Attributes:
+        name: the rung.
+        verdict: ``"baseline"``, ``"pays"``, ``"does not pay"`` (within ``band``),
+            ``"slower"``, ``"no-op here"`` (the rung computes what the rung before it did,
+            see :attr:`RungResult.noop_reason`) or ``"not run"``.
+        factor: the step-time ratio over the last rung that ran before it (above 1:
+            faster); ``None`` for the baseline and a rung that did not run.
+        band: the relative change below which the rung is called ``"does not pay"``:
+            the largest of the floor, the drift of the baseline over the run, and the
+            timing spread (IQR / median) of this rung and the one before it.
+    """
+
+    name: str
+    verdict: str
+    factor: float | None
+    band: float
+
+
+def rung_verdicts(results: Sequence[RungResult], floor: float = 0.03,
+                  drift: float = 0.0) -> list[Verdict]:
+    """One :class:`Verdict` per rung: did it pay, against a band that the noise sets?
+
+    Args:
+        results: :func:`run_ladder`'s results, baseline first.
+        floor: the smallest band (3%: a change below it is too small to matter).
+        drift: how much the same configuration's step time moved over the run, as a
+            fraction (e.g. ``abs(again.median_ms / baseline.median_ms - 1)`` for the
+            baseline timed again at the end); on a shared machine it can exceed the spread
+            inside one measurement.
+
+    Raises:
+        ValueError: no results, a negative floor or drift, or a baseline that did not run.
+    """
+    if not results:
+        raise ValueError("rung_verdicts needs at least one result")
+    if floor < 0 or drift < 0:
+        raise ValueError(f"floor and drift must be >= 0, got {floor!r}, {drift!r}")
+    if not results[0].ran:
+        raise ValueError("the first rung is the baseline and must have run")
+
+    def spread(r: RungResult) -> float:
+        return (r.iqr_ms or 0.0) / r.median_ms if r.median_ms else 0.0
+
+    out: list[Verdict] = []
+    prev: RungResult | None = None
+    for r in results:
+        if not r.ran:
+            out.append(Verdict(r.name, "not run", None, max(floor, drift)))
+            continue
+        if prev is None:
+            out.append(Verdict(r.name, "baseline", None, max(floor, drift, spread(r))))
+        else:
+            band = max(floor, drift, spread(r), spread(prev))
+            factor = prev.median_ms / r.median_ms
+            word = ("no-op here" if r.noop_reason else "pays" if factor > 1 + band
+                    else "slower" if factor < 1 - band else "does not pay")
+            out.append(Verdict(r.name, word, factor, band))
+        prev = r
+    return out
+
+
+#: What the columns of :func:`ladder_table` mean.
+TABLE_COLUMNS = {
+    "ms/step": "median time of one optimizer step (all its micro-batches), utils.benchmark",
+    "<items>/s": "tokens (or images) per second: the step's targets / ms per step",
+    "total": "speedup over the first rung (the baseline): its ms/step / this rung's",
+    "this": "speedup over the last rung that ran before it: what this rung added",
+    "peak mem": "peak memory of the rung (how it is measured is in RungResult.memory_method)",
+    "MFU": "model FLOPs per second / the measured matmul ceiling of the rung's own dtype",
+    "vs <ref>": "the same FLOP/s against one reference ceiling (e.g. bf16) for every rung",
+    "warm-up": "the first step, apart: compilation, allocation, autotuning",
+    "graphs": "Dynamo graphs compiled during the rung (0 for eager)",
+    "loss": "the final loss: the mean of the loss curve's last loss_window steps",
+}
+
+
 def ladder_table(results: Sequence[RungResult],
                  reference: tuple[str, float] | None = None) -> str:
     """A text table: one row per rung, speedups against the first (baseline) rung.
 
-    Columns: ms/step, items/s, speedup over the baseline (``total``) and over the rung
-    before (``this``), peak memory, MFU against the rung's own ceiling, MFU against a
-    ``reference`` ceiling when given (e.g. ``("bf16", tflops)`` for every rung), warm-up
-    seconds (the first step, compilation included), graphs compiled, and the final loss.
+    The columns are described in :data:`TABLE_COLUMNS`; a rung that is a no-op on this
+    machine is marked, and a rung that did not run says why.
     """
     if not results:
         raise ValueError("ladder_table needs at least one result")
@@ -830,78 +1029,109 @@ def ladder_table(results: Sequence[RungResult],
         this = (prev.median_ms / r.median_ms) if (prev is not None and r.median_ms) else None
         mem = format_bytes(r.peak_bytes) if r.peak_bytes is not None else "n/a"
         vs_ref = f"{_fmt(r.mfu_against(reference[1]), '7.1%')} " if reference else ""
+        this_s = f"{this:5.2f}x" if this is not None else f"{'-':>6}"
         lines.append(
             f"{r.name:<27} {_fmt(r.median_ms, '9.1f')} {_fmt(r.items_per_s, '12,.0f')} "
-            f"{_fmt(total, '6.2f')}x {_fmt(this, '5.2f')}x {mem:>10} {_fmt(r.mfu, '6.1%')} "
+            f"{_fmt(total, '6.2f')}x {this_s} {mem:>10} {_fmt(r.mfu, '6.1%')} "
             f"{vs_ref}{_fmt(r.warmup_s, '7.1f')}s "
             f"{'-' if r.graphs_compiled is None else r.graphs_compiled:>6} "
-            f"{_fmt(r.final_loss, '7.4f')}")
+            f"{_fmt(r.final_loss, '7.4f')}" + (f"  (no-op here: {r.noop_reason})"
+                                                if r.noop_reason else ""))
         prev = r
     return "\n".join(lines)
 
 
 GAIN_COLOR, FLAT_COLOR, LOSS_COLOR, SKIP_COLOR = "#2ca02c", "#8c8c8c", "#d62728", "#ffffff"
+NOOP_COLOR = "#d9d9d9"
+#: Round tick values for a log axis of speedups, from fine to coarse; the finest set that
+#: puts few enough ticks on the axis wins.
+_TICK_LEVELS = (
+    (0.1, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5,
+     3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.0, 15.0, 20.0, 30.0, 40.0, 50.0, 75.0, 100.0),
+    (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 10.0, 15.0,
+     20.0, 30.0, 50.0, 100.0),
+    (0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0, 5.0, 7.0, 10.0, 20.0, 30.0, 50.0, 100.0),
+    (0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0),
+)
+
+
+def _log_ticks(lo: float, hi: float, most: int = 9) -> list[float]:
+    """Round values between ``lo`` and ``hi``, 1 always among them, for a log axis."""
+    for level in _TICK_LEVELS:
+        ticks = sorted({t for t in level if lo <= t <= hi} | {1.0})
+        if len(ticks) <= most:
+            return ticks
+    return ticks
 
 
 def plot_ladder(results: Sequence[RungResult], title: str = "", flat_band: float = 0.03,
-                reference: tuple[str, float] | None = None) -> Any:
-    """The ladder in one figure: a waterfall of speedups, MFU, loss curves and memory.
+                reference: tuple[str, float] | None = None, drift: float = 0.0,
+                loss_tol: float | None = None) -> Any:
+    """The ladder in one figure: a waterfall of speedups, MFU, loss differences and memory.
 
     The waterfall (log scale) draws each rung as a bar from the speedup before it to the
-    speedup after it: green when it gained more than ``flat_band``, grey when it changed
-    the step time by less (it does not pay here), red when it made the step slower, and
-    a hatched empty bar, labelled with the reason, for a rung that did not run.
+    speedup after it, coloured by :func:`rung_verdicts` (``flat_band`` is its floor,
+    ``drift`` its baseline drift): green when it paid, grey when the change is within the
+    band (it does not pay here), red when it made the step slower, light grey and hatched
+    when it is a no-op on this machine, and an empty hatched bar, labelled, for a rung
+    that did not run.
 
     The MFU panel shows each rung against its own ceiling, and against ``reference``
-    (``(name, TFLOP/s)``) when given.
+    (``(name, TFLOP/s)``) when given. The loss panel shows each rung's loss curve as a
+    relative difference from the baseline's, step by step, with ``+-loss_tol`` when given.
 
     Returns:
         The matplotlib Figure.
     """
     import matplotlib.pyplot as plt
 
-    from .plots import plain_log_ticks, use_style
+    from .plots import use_style
 
     if not results:
         raise ValueError("plot_ladder needs at least one result")
     _check_reference(reference)
     base = results[0]
-    if not base.ran:
-        raise ValueError("the first rung is the baseline and must have run")
+    verdicts = rung_verdicts(results, flat_band, drift)
     use_style()
-    fig, axes = plt.subplots(2, 2, figsize=(14, 9))
+    fig, axes = plt.subplots(2, 2, figsize=(14, 9.5))
     names = [r.name for r in results]
     xs = list(range(len(results)))
 
     # 1. waterfall of cumulative speedup
     ax = axes[0, 0]
     level = 1.0
-    for i, r in enumerate(results):
+    span = [1 / 1.05, 1.05]
+    for i, (r, v) in enumerate(zip(results, verdicts)):
         if not r.ran:
-            ax.bar(i, level * 1.15 - level / 1.15, bottom=level / 1.15, color=SKIP_COLOR,
+            ax.bar(i, level * 1.1 - level / 1.1, bottom=level / 1.1, color=SKIP_COLOR,
                    edgecolor="black", hatch="//", lw=0.8)
-            ax.annotate("not run\nhere", (i, level * 1.15), ha="center", va="bottom", fontsize=7)
+            ax.annotate("not run\nhere", (i, level * 1.1), ha="center", va="bottom", fontsize=7)
+            span += [level / 1.1, level * 1.25]
             continue
         new = base.median_ms / r.median_ms
-        factor = new / level
-        color = (FLAT_COLOR if abs(factor - 1) <= flat_band or i == 0 else
-                 GAIN_COLOR if factor > 1 else LOSS_COLOR)
-        lo, hi = min(level, new), max(level, new)
-        if i == 0:
-            lo, hi = 1 / 1.03, 1.03
-        ax.bar(i, hi - lo, bottom=lo, color=color, edgecolor="black", lw=0.5)
-        ax.annotate(f"x{factor:.2f}" if i else "1x", (i, hi), ha="center", va="bottom",
-                    fontsize=7, xytext=(0, 2), textcoords="offset points")
+        color, hatch = {"pays": (GAIN_COLOR, None), "slower": (LOSS_COLOR, None),
+                        "no-op here": (NOOP_COLOR, "\\\\")}.get(v.verdict, (FLAT_COLOR, None))
+        lo, hi = (1 / 1.03, 1.03) if i == 0 else (min(level, new), max(level, new))
+        ax.bar(i, hi - lo, bottom=lo, color=color, hatch=hatch, edgecolor="black", lw=0.5)
+        label = "1x" if i == 0 else f"x{v.factor:.2f}" + ("\nno-op" if v.verdict == "no-op here"
+                                                            else "")
+        ax.annotate(label, (i, hi), ha="center", va="bottom", fontsize=7, xytext=(0, 2),
+                    textcoords="offset points")
         if i + 1 < len(results):
             ax.plot([i + 0.4, i + 0.6], [new, new], color="black", lw=0.6)
+        span += [lo, hi * 1.15]
         level = new
     ax.set_yscale("log")
-    plain_log_ticks(ax)
+    lo, hi = min(span) / 1.04, max(span)
+    ax.set_ylim(lo, hi)
+    ticks = _log_ticks(lo, hi)
+    ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
+    ax.minorticks_off()
     ax.axhline(1.0, color="black", ls="--", lw=0.8)
     ax.set_xticks(xs, names, rotation=35, ha="right")
     ax.set_ylabel(f"speedup vs {base.name} (log)")
-    ax.set_title("each rung's contribution (green: pays, grey: within "
-                 f"{flat_band:.0%}, red: slower)")
+    ax.set_title(f"each rung's contribution (green: pays; grey: within the noise band, at least "
+                 f"{flat_band:.0%}; red: slower)", fontsize=9)
 
     # 2. MFU
     ax = axes[0, 1]
@@ -909,22 +1139,35 @@ def plot_ladder(results: Sequence[RungResult], title: str = "", flat_band: float
     mfu = [100 * (r.mfu or 0) for r in ran]
     pos = [names.index(r.name) for r in ran]
     ax.bar(pos, mfu, color="#1f77b4", label="vs the rung's own ceiling")
+    top = max(mfu, default=1.0)
     if reference:
-        ax.plot(pos, [100 * (r.mfu_against(reference[1]) or 0) for r in ran], "o",
-                color="#ff7f0e", label=f"vs the {reference[0]} ceiling")
-        ax.legend(loc="upper left")
+        ref_mfu = [100 * (r.mfu_against(reference[1]) or 0) for r in ran]
+        ax.plot(pos, ref_mfu, "o", color="#ff7f0e", label=f"vs the {reference[0]} ceiling")
+        top = max([top, *ref_mfu])
+    for i, r in enumerate(results):
+        if not r.ran:
+            ax.annotate("not run\nhere", (i, 0.02 * top), ha="center", fontsize=7)
+    ax.set_ylim(0, 1.35 * top if top > 0 else 1)
+    ax.legend(loc="upper left", fontsize=8, ncol=2)
     ax.set_xticks(xs, names, rotation=35, ha="right")
     ax.set_ylabel("MFU (%)")
     ax.set_title("model FLOPs utilisation (measured ceilings)")
 
-    # 3. loss curves
+    # 3. loss curves, as a difference from the baseline's
     ax = axes[1, 0]
-    for r in ran:
-        ref = r is base
-        ax.plot(range(1, len(r.losses) + 1), r.losses, label=r.name, lw=4 if ref else 1.2,
-                alpha=0.35 if ref else 0.9)
+    ref = base.losses
+    for r in ran[1:]:
+        n = min(len(r.losses), len(ref))
+        diff = [100 * (r.losses[j] - ref[j]) / ref[j] for j in range(n)]
+        ax.plot(range(1, n + 1), diff, marker=".", lw=1.2, label=r.name)
+    ax.axhline(0.0, color="black", lw=1.5, label=base.name)
+    if loss_tol is not None:
+        for sign in (1, -1):
+            ax.axhline(sign * 100 * loss_tol, color=LOSS_COLOR, ls=":", lw=1)
+        ax.annotate(f"+-{loss_tol:.0%}: the final-loss tolerance", (1, 100 * loss_tol),
+                    fontsize=7, color=LOSS_COLOR, va="bottom")
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
+    ax.set_ylabel(f"loss - {base.name}'s loss (% of it)")
     ax.set_title("loss curves: same initial weights, same batches")
     ax.legend(fontsize=7, ncol=2)
 
@@ -934,10 +1177,10 @@ def plot_ladder(results: Sequence[RungResult], title: str = "", flat_band: float
     if mem:
         ax.bar([p for p, _ in mem], [m for _, m in mem], color="#9467bd")
     top = max((m for _, m in mem), default=1.0)
-    for r in results:
-        if r.ran and r.peak_bytes is None:
-            ax.annotate("not\nmeasured", (names.index(r.name), 0.02 * top), ha="center",
-                        fontsize=7)
+    for i, r in enumerate(results):
+        if not r.ran or r.peak_bytes is None:
+            ax.annotate("not run\nhere" if not r.ran else "not\nmeasured", (i, 0.02 * top),
+                        ha="center", fontsize=7)
     ax.set_xticks(xs, names, rotation=35, ha="right")
     ax.set_ylabel("peak memory (MiB)")
     ax.set_title("peak memory: " + (base.memory_method or ""), fontsize=8)
