@@ -4,8 +4,10 @@ The model, the data and the training step are the ones the ladder notebook
 (01_speedup_ladder.ipynb) measures: utils.TinyGPT scaled by config, the corpus of
 corpus.py, and utils.ladder.Trainer configured by a utils.ladder.TrainConfig. By
 default it runs the top rung of the ladder that runs on this machine (with CUDA
-graphs on a GPU, without them on a CPU); --rung picks another rung, and the
-ladder's own flags (--amp, --compile, ...) override single settings.
+graphs on a GPU, without them on a CPU); --rung picks another rung by its short
+name, --rung best the rung the notebook measured fastest on this machine (read from
+its results file), and the ladder's own flags (--amp, --compile, ...) override
+single settings.
 
 It prints the loss, tokens/s and MFU as it goes (a progress bar, plus a line every
 --log-every steps), against a matmul ceiling it measures on this machine at start,
@@ -15,12 +17,15 @@ Examples:
 
     python 06-capstone/train.py --help
     python 06-capstone/train.py --preset tiny --steps 50 --out /tmp/gpt.pt
-    python 06-capstone/train.py --rung "SDPA (flash)" --steps 100      # an earlier rung
+    python 06-capstone/train.py --rung sdpa --steps 100                # an earlier rung
+    python 06-capstone/train.py --rung best --steps 2000               # the notebook's fastest
     torchrun --standalone --nproc-per-node=8 06-capstone/train.py      # DDP, one process per GPU
 
 Under torchrun each process trains a DistributedDataParallel replica on its slice of
 every batch (NCCL with one GPU per process, gloo on CPUs); --batch-size is the global
-batch, split over the processes.
+batch, split over the processes. With more than one process a rung with CUDA graphs
+runs with --compile default instead, unless --compile is given: CUDA graphs around
+DDP's gradient buckets are untested in this course.
 """
 
 from __future__ import annotations
@@ -28,10 +33,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -49,21 +56,36 @@ PRESETS = {
     "tiny": dict(n_layer=2, n_head=4, n_embd=128, block_size=64, n_words=500,
                  max_chars=1_000_000, batch_size=16, base_accum=4),
 }
-RUNG_NAMES = [r.name for r in ladder.LADDER]
+RUNG_KEYS = [r.key for r in ladder.LADDER]
+#: Where the notebook's ledger lands (utils.Ledger's default path): --rung best reads it.
+NOTEBOOK_LEDGER = "06-capstone/01_speedup_ladder"
+
+
+def default_ledger_path() -> Path:
+    return utils.results_dir() / (NOTEBOOK_LEDGER.replace("/", "__") + ".json")
+
+
+def _rung_list() -> str:
+    return "; ".join(f"{r.key} = {r.name}" for r in ladder.LADDER)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="train.py", description=__doc__,
-        epilog="The ladder's rungs, in order: " + "; ".join(RUNG_NAMES) + ".",
+        epilog="The ladder's rungs, in order (--rung KEY): " + _rung_list() + ".",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=("auto", *PRESETS), default="auto",
                    help="model and data sizes: gpt2 (12 layers, 768 wide, 1024 context), "
                         "tiny (a smoke-size model); auto (the default) = gpt2 on a GPU, "
                         "tiny on a CPU")
-    p.add_argument("--rung", choices=RUNG_NAMES, default=None, metavar="NAME",
-                   help="start from this rung's settings (default: the top rung that runs "
-                        "here); the ladder flags below override single settings")
+    p.add_argument("--rung", choices=("top", "best", *RUNG_KEYS), default="top", metavar="KEY",
+                   help="start from this rung's settings: top (the default: every rung that "
+                        "runs here), best (the rung the notebook measured fastest on this "
+                        "machine, read from --ledger), or a rung's key: " + ", ".join(RUNG_KEYS)
+                        + "; the ladder flags below override single settings")
+    p.add_argument("--ledger", default=None, metavar="PATH",
+                   help="the notebook's results file, for --rung best (default: "
+                        "06-capstone__01_speedup_ladder.json in the course's results folder)")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps (default: 200)")
     p.add_argument("--batch-size", type=int, default=None,
                    help="sequences per optimizer step, over all processes (default: preset)")
@@ -102,18 +124,55 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def rung_config(rung_name: str | None, amp: str, base_accum: int,
+def rung_config(rung_key: str | None, amp: str, base_accum: int,
                 device_type: str) -> tuple[str, ladder.TrainConfig]:
-    """The ladder's cumulative settings up to ``rung_name`` (None: the top rung that runs on
-    ``device_type``), the way the notebook climbs it: rungs that need CUDA are passed over
-    elsewhere. Returns the rung's name (with this machine's autocast dtype) and settings."""
+    """The ladder's cumulative settings up to the rung ``rung_key`` (None or "top": the top
+    rung that runs on ``device_type``), the way the notebook climbs it: rungs that need CUDA
+    are passed over elsewhere. Returns the rung's name (with this machine's autocast
+    dtype) and settings."""
     cfg, name = ladder.TrainConfig(accum_steps=base_accum), "fp32 eager"
-    stop = len(RUNG_NAMES) - 1 if rung_name is None else RUNG_NAMES.index(rung_name)
+    top = rung_key in (None, "top")
+    stop = len(RUNG_KEYS) - 1 if top else RUNG_KEYS.index(rung_key)
     for i, rung in enumerate(ladder.default_ladder(amp)[: stop + 1]):
-        if rung.needs_cuda and device_type != "cuda" and (rung_name is None or i < stop):
+        if rung.needs_cuda and device_type != "cuda" and (top or i < stop):
             continue
         cfg, name = rung.apply(cfg), rung.name
     return name, cfg
+
+
+def best_rung_key(path: str | os.PathLike, device_name: str) -> tuple[str, str]:
+    """The key of the rung the notebook measured fastest, from its results file.
+
+    Returns:
+        (the rung's key, a line saying where it comes from).
+
+    Raises:
+        ValueError: no file, no best rung in it, or a file measured on another device.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--rung best reads the notebook's results, and {p} does not exist: run "
+                         "06-capstone/01_speedup_ladder.ipynb on this machine first, pass its "
+                         "results file with --ledger, or pick a rung (--rung top, "
+                         + ", ".join(RUNG_KEYS) + ")")
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+        found = {m["name"]: m for m in data["measurements"]}
+        best = found["best_rung_index"]
+        measured_on = data.get("env", {}).get("device_name", "?")
+    except (KeyError, TypeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{p} holds no best rung (best_rung_index): run the notebook up to "
+                         f"section 7 ({type(exc).__name__}: {exc})") from None
+    if measured_on != device_name:
+        raise ValueError(f"{p} was measured on {measured_on}, and this run is on {device_name}: "
+                         "the fastest rung on one device says little about another; run the "
+                         "notebook here, or pick a rung")
+    index = int(best["value"])
+    if not 0 <= index < len(RUNG_KEYS):
+        raise ValueError(f"{p}: best_rung_index {index} is not a rung of this ladder")
+    size = "smoke" if data.get("smoke") else "full"
+    return RUNG_KEYS[index], (f"the fastest rung measured by the notebook on {measured_on} "
+                              f"({best.get('note') or RUNG_KEYS[index]}, {size} size, {p})")
 
 
 def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, world: int):
@@ -144,8 +203,19 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, world: in
                      f"({sizes['n_head']})")
     bf16_ok = device_type == "cpu" or torch.cuda.is_bf16_supported(including_emulation=False)
     amp = "bf16" if bf16_ok else "fp16"
+    notes: list[str] = []
     try:
-        rung_name, cfg = rung_config(args.rung, amp, sizes.pop("base_accum"), device_type)
+        key = args.rung
+        if key == "best":
+            device_name = utils.get_env(device_type).device_name
+            key, origin = best_rung_key(args.ledger or default_ledger_path(), device_name)
+            notes.append(f"--rung best: {origin}")
+        rung_name, cfg = rung_config(key, amp, sizes.pop("base_accum"), device_type)
+        if world > 1 and device_type == "cuda" and cfg.uses_cuda_graphs and args.compile is None:
+            cfg = dataclasses.replace(cfg, compile="default")
+            notes.append(f"{world} processes: compile mode default instead of the rung's CUDA "
+                         "graphs (CUDA graphs around DDP are untested here; --compile "
+                         "reduce-overhead asks for them)")
         cfg = cfg.with_args(args)
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
@@ -158,12 +228,12 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, world: in
     if rest or per_rank % cfg.accum_steps:
         parser.error(f"--batch-size {sizes['batch_size']} must split into {world} process(es) x "
                      f"--accum-steps {cfg.accum_steps} equal micro-batches")
-    return device_type, preset, sizes, cfg, rung_name
+    return device_type, preset, sizes, cfg, rung_name, notes
 
 
 def train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    device_type, preset, sizes, cfg, rung_name = resolve(args, parser, world)
+    device_type, preset, sizes, cfg, rung_name, notes = resolve(args, parser, world)
     if args.threads:
         torch.set_num_threads(args.threads)
     with contextlib.ExitStack() as stack:
@@ -173,10 +243,10 @@ def train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
             rank, device = w.rank, w.device
         else:
             rank, device = 0, torch.device("cuda" if device_type == "cuda" else "cpu")
-        return _train(args, sizes, cfg, rung_name, preset, rank, world, device)
+        return _train(args, sizes, cfg, rung_name, preset, rank, world, device, notes)
 
 
-def _train(args, sizes, cfg, rung_name, preset, rank, world, device) -> dict:
+def _train(args, sizes, cfg, rung_name, preset, rank, world, device, notes=()) -> dict:
     from tqdm.auto import tqdm
 
     main = rank == 0
@@ -199,13 +269,15 @@ def _train(args, sizes, cfg, rung_name, preset, rank, world, device) -> dict:
     x0, y0 = batch(0)
     flops = ladder.count_step_flops(model_fn(ladder.TrainConfig()), x0, y0, vocab)
     kind = cfg.ceiling_kind
-    ceiling = ladder.measure_ceilings_tflops(
-        [kind], device, n=4096 if device.type == "cuda" else 512, min_run_time_s=0.3,
-        rounds=1)[kind]
+    # the notebook's ceiling routine, with the notebook's settings: quick for the tiny preset
+    # (as at smoke size), the default sizes for the GPU-sized model
+    ceiling = ladder.measure_ceilings_tflops([kind], device, quick=preset == "tiny")[kind]
     say(f"device {device} x {world} process(es), torch {torch.__version__}; preset {preset}: "
         f"{gpt_cfg}")
     say(f"data: {data.n_chars:,} characters of torch's sources -> {data.tokens.numel():,} tokens, "
         f"vocabulary {vocab} (padded to {ladder.padded_size(vocab, cfg.vocab_multiple)})")
+    for note in notes:
+        say(note)
     say(f"settings ({rung_name!r} + flags): {cfg.describe()}")
     say(f"  the same settings as flags: {' '.join(cfg.to_flags())}")
     say(f"batch: {sizes['batch_size']} x {seq} tokens per step ({per_rank} per process, "
@@ -279,6 +351,10 @@ def _train(args, sizes, cfg, rung_name, preset, rank, world, device) -> dict:
         say(f"checkpoint: {path} ({path.stat().st_size / 2**20:.1f} MiB, written atomically)")
     say(f"done: final loss {loss:.4f}, {result['tokens_per_s']:,.0f} tokens/s, MFU {mfu:.1%}, "
         f"{result['wall_s']:.1f} s in all")
+    if speeds:
+        step_s = tokens_per_step / speeds[-1]
+        report = utils.mfu_report(flops, step_s, ceiling, kind, device)
+        say(f"MFU per process, last window: {report}")
     del trainer
     return result
 

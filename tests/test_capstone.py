@@ -3,6 +3,7 @@ two under torchrun with gloo)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -81,10 +82,13 @@ def test_corpus_batches_are_a_function_of_the_step():
 def test_help_lists_the_ladder_flags():
     r = _train("--help", timeout=120)
     assert r.returncode == 0, r.stderr
-    for flag in ("--rung", "--amp", "--attention", "--compile", "--fused-adamw",
+    for flag in ("--rung", "--ledger", "--amp", "--attention", "--compile", "--fused-adamw",
                  "--vocab-multiple", "--accum-steps", "--out", "torchrun"):
         assert flag in r.stdout, flag
     assert "fp32 eager" in r.stdout and "CUDA graphs" in r.stdout
+    # short keys, no shell quoting needed, each listed with its rung
+    assert "sdpa = SDPA (flash)" in r.stdout and "cuda-graphs = CUDA graphs" in r.stdout
+    assert "best" in r.stdout and "top" in r.stdout
 
 
 @pytest.mark.parametrize("args, message", [
@@ -94,6 +98,7 @@ def test_help_lists_the_ladder_flags():
     (["--n-embd", "100", "--n-head", "3"], "divisible by --n-head"),
     (["--steps", "0"], "--steps must be a positive integer"),
     (["--rung", "warp drive"], "invalid choice"),
+    (["--rung", "SDPA (flash)"], "invalid choice"),
     (["--amp", "fp64"], "invalid choice"),
     (["--device", "tpu"], "--device must be cpu or cuda"),
 ])
@@ -136,7 +141,7 @@ def test_smoke_run_prints_progress_and_writes_an_atomic_checkpoint(tmp_path):
 
 def test_an_earlier_rung_by_name_and_a_flag_on_top(tmp_path):
     out = tmp_path / "gpt.pt"
-    r = _train(*SMALL, "--rung", "SDPA (flash)", "--amp", "fp32", "--steps", "2",
+    r = _train(*SMALL, "--rung", "sdpa", "--amp", "fp32", "--steps", "2",
                "--log-every", "1", "--no-progress", "--out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "train:" not in r.stderr, "--no-progress: lines only"
@@ -157,3 +162,71 @@ def test_ddp_under_torchrun_with_two_gloo_processes(tmp_path):
     state = safe_load(out)
     assert state["result"]["world_size"] == 2 and state["step"] == 3
     assert not any(k.startswith("module.") for k in state["model"]), "the unwrapped model's keys"
+
+
+# ----------------------------------------------------------------------------- --rung best
+
+def _ledger(path, device_name: str, index: int, name: str) -> None:
+    path.write_text(json.dumps({
+        "schema": 1, "notebook": train.NOTEBOOK_LEDGER, "smoke": True, "strict": False,
+        "created": "2026-11-24T00:00:00+00:00", "env": {"device_name": device_name},
+        "measurements": [{"name": "best_rung_index", "value": float(index), "unit": "",
+                          "note": name}],
+        "expectations": []}), encoding="utf-8")
+
+
+def test_best_rung_comes_from_the_notebooks_results_on_this_device(tmp_path, capsys):
+    here = utils.get_env("cpu").device_name
+    path = tmp_path / "06-capstone__01_speedup_ladder.json"
+    _ledger(path, here, 4, "bigger micro-batch")
+    assert train.best_rung_key(path, here)[0] == "micro-batch"
+    parser = train.build_parser()
+    args = parser.parse_args(["--preset", "tiny", "--rung", "best", "--ledger", str(path)])
+    *_, cfg, name, notes = train.resolve(args, parser, world=1)
+    assert name == "bigger micro-batch" and cfg.accum_steps == 1 and cfg.compile is None
+    assert "--rung best" in notes[0] and here in notes[0]
+    # measured on another device, no results file, no best rung in it: a clear error
+    _ledger(path, "NVIDIA H100 80GB HBM3", 7, "vocab padded to 128")
+    for bad, message in [(path, "measured on NVIDIA H100"),
+                         (tmp_path / "missing.json", "does not exist")]:
+        with pytest.raises(SystemExit):
+            train.main(["--preset", "tiny", "--rung", "best", "--ledger", str(bad)])
+        assert message in capsys.readouterr().err
+    path.write_text(json.dumps({"env": {"device_name": here}, "measurements": []}))
+    with pytest.raises(ValueError, match="no best rung"):
+        train.best_rung_key(path, here)
+
+
+def test_cuda_graphs_give_way_to_default_compile_under_ddp(monkeypatch):
+    """On a GPU under torchrun the top rung's CUDA graphs become compile mode default (with a
+    note), unless --compile asks for them; alone, the top rung keeps them."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda **kwargs: True)
+    parser = train.build_parser()
+    common = ["--preset", "tiny", "--device", "cuda", "--batch-size", "16"]
+    *_, cfg, name, notes = train.resolve(parser.parse_args(common), parser, world=2)
+    assert name == "CUDA graphs" and cfg.compile == "default" and "untested" in notes[0]
+    *_, cfg, _, notes = train.resolve(parser.parse_args([*common, "--compile", "reduce-overhead"]),
+                                      parser, world=2)
+    assert cfg.compile == "reduce-overhead" and not notes
+    *_, cfg, _, notes = train.resolve(parser.parse_args(common), parser, world=1)
+    assert cfg.compile == "reduce-overhead" and not notes
+
+
+def test_train_py_measures_its_ceiling_with_the_notebooks_routine(tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def fake(kinds, device, **kwargs):
+        calls.append((list(kinds), kwargs))
+        return {k: 1.0 for k in kinds}
+
+    monkeypatch.setattr(train.ladder, "measure_ceilings_tflops", fake)
+    threads = torch.get_num_threads()
+    try:
+        train.main([*SMALL, "--steps", "2", "--log-every", "1", "--no-progress",
+                    "--out", str(tmp_path / "gpt.pt")])
+    finally:
+        torch.set_num_threads(threads)  # --threads 1 must not leak into the other tests
+    assert calls == [(["bf16"], {"quick": True})], "the notebook's smoke setting for the tiny preset"
+    out = capsys.readouterr().out
+    assert "MFU per process" in out and "of the bf16 matmul ceiling measured here" in out
