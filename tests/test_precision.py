@@ -98,3 +98,17 @@ def test_cudnn_switches_stay_in_step_for_export():
         with utils.tf32(matmul, conv=conv) as s:
             assert s.conv is conv and torch.backends.cudnn.allow_tf32 is conv
             torch.export.export(Double(), (torch.randn(3),))
+
+
+def test_reports_survive_a_per_backend_switch_set_alone():
+    """get_env and measure_ceilings read the matmul setting; user code that set one
+    per-backend switch alone makes torch's own reading raise, and a report must not."""
+    if utils.tf32_state().api != "fp32_precision":
+        pytest.skip("this torch has no per-backend switches")
+    with utils.tf32(False):
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        with pytest.raises(RuntimeError):
+            torch.get_float32_matmul_precision()
+        assert "cuda=tf32" in utils.matmul_precision_label()
+        assert utils.get_env("cpu").float32_matmul_precision == utils.matmul_precision_label()
+    assert utils.matmul_precision_label() == torch.get_float32_matmul_precision()

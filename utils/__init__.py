@@ -39,6 +39,7 @@ from .precision import (
     TF32State,
     fp32_matmul_precision,
     fp32_matmul_precision_state,
+    matmul_precision_label,
     set_tf32,
     tf32,
     tf32_state,
@@ -100,7 +101,7 @@ __all__ = [
     "SyntheticTokens", "CPUHeavyImages", "CUDAPrefetcher", "worker_init",
     # precision
     "TF32State", "tf32_state", "set_tf32", "tf32", "fp32_matmul_precision",
-    "fp32_matmul_precision_state",
+    "fp32_matmul_precision_state", "matmul_precision_label",
     # mixed-precision helpers (utils.amp)
     "dtype_name", "rel_error", "CPUPrecisionSupport", "cpu_precision_support", "AtenOpCounter",
     "count_aten_ops", "fp8_matmul_api", "fp8_matmul", "LossGap", "loss_gap", "TimingJob",

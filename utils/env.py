@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .precision import matmul_precision_label
+
 __all__ = [
     "EnvInfo",
     "Gate",
@@ -190,7 +192,7 @@ def get_env(device: str | torch.device | None = None) -> EnvInfo:
         bf16_supported=bf16,
         tf32_supported=tf32,
         flash_attention_supported=_flash_attention_supported(dev),
-        float32_matmul_precision=torch.get_float32_matmul_precision(),
+        float32_matmul_precision=matmul_precision_label(),
         cpu_threads=torch.get_num_threads(),
         cpu_count=usable_cpu_count(),
         python_version=sys.version.split()[0],

@@ -19,6 +19,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from .env import pick_device
+from .precision import matmul_precision_label
 from .timing import benchmark
 
 __all__ = [
@@ -290,7 +291,7 @@ class Ceilings:
     matmul_size: int
     copy_bytes: int
     num_threads: int = 0  # CPU threads used when measuring (a CPU ceiling depends on it)
-    matmul_precision: str = ""  # torch.get_float32_matmul_precision() at the time
+    matmul_precision: str = ""  # utils.matmul_precision_label() at the time
 
     @property
     def ridge_flops_per_byte(self) -> float:
@@ -324,7 +325,7 @@ def measure_ceilings(
         matmul_size=size,
         copy_bytes=nbytes,
         num_threads=torch.get_num_threads(),
-        matmul_precision=torch.get_float32_matmul_precision(),
+        matmul_precision=matmul_precision_label(),
     )
 
 

@@ -39,7 +39,7 @@ from typing import Iterator
 import torch
 
 __all__ = ["TF32State", "tf32_state", "set_tf32", "tf32", "fp32_matmul_precision",
-           "fp32_matmul_precision_state"]
+           "fp32_matmul_precision_state", "matmul_precision_label"]
 
 
 def _new_api() -> bool:
@@ -234,3 +234,16 @@ def fp32_matmul_precision(setting: str) -> Iterator[dict[str, str]]:
         yield fp32_matmul_precision_state()
     finally:
         _restore(raw)
+
+
+def matmul_precision_label() -> str:
+    """How fp32 matmuls run, for a report: ``torch.get_float32_matmul_precision()``
+    where it can be read, else the per-backend settings.
+
+    Reading the global setting raises on torch >= 2.9 when code set a per-backend
+    matmul switch alone (the settings then disagree); a report must not fail on that.
+    """
+    legacy = _legacy_matmul_setting()
+    if legacy is not None:
+        return legacy
+    return ", ".join(f"{k}={v}" for k, v in fp32_matmul_precision_state().items())
