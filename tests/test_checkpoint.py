@@ -1,5 +1,7 @@
 """utils.checkpoint: atomic saves, safe loads and clear errors for bad files."""
 
+import os
+import stat
 import subprocess
 import sys
 
@@ -214,3 +216,31 @@ def test_stale_temporaries_of_a_killed_save(tmp_path):
     assert stale_temporaries(path) == [] and (tmp_path / ".other.pt.x.tmp").exists()
     assert safe_load(path)["step"] == 1
     assert stale_temporaries(tmp_path / "missing" / "x.pt") == []
+
+
+@pytest.mark.skipif(not hasattr(os, "fchmod"), reason="POSIX permissions")
+def test_atomic_save_gives_the_permissions_of_a_plain_save(tmp_path):
+    """mkstemp creates 0600 files; a checkpoint must be readable as torch.save's would be."""
+    old = os.umask(0o022)
+    try:
+        torch.save({"w": torch.zeros(2)}, tmp_path / "plain.pt")
+        atomic_save({"w": torch.zeros(2)}, tmp_path / "atomic.pt")
+        os.umask(0o077)  # a stricter umask is respected too
+        atomic_save({"w": torch.zeros(2)}, tmp_path / "private.pt")
+    finally:
+        os.umask(old)
+    mode = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
+    assert mode["atomic.pt"] == mode["plain.pt"] == 0o644
+    assert mode["private.pt"] == 0o600
+    os.chmod(tmp_path / "atomic.pt", 0o640)  # an existing file keeps its permissions
+    atomic_save({"w": torch.ones(2)}, tmp_path / "atomic.pt")
+    assert stat.S_IMODE((tmp_path / "atomic.pt").stat().st_mode) == 0o640
+
+
+def test_a_disabled_scaler_state_into_an_enabled_scaler_is_a_clear_error(tmp_path):
+    model = nn.Linear(2, 2)
+    save_training_state(tmp_path / "s.pt", model=model, step=1,
+                        scaler=torch.amp.GradScaler("cpu", enabled=False))
+    with pytest.raises(CheckpointError, match="GradScaler state does not fit"):
+        load_training_state(tmp_path / "s.pt", model=model,
+                            scaler=torch.amp.GradScaler("cpu", enabled=True))

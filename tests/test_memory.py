@@ -70,6 +70,89 @@ def test_a_warm_optimizer_step_adds_temporaries_only():
     assert r.retained_bytes == 0
 
 
+def test_a_storage_kept_without_its_tensor_still_counts():
+    """The storage, not the Python tensor, decides: a storage held on its own stays counted."""
+    tracker = utils.TensorMemoryTracker()
+    with tracker:
+        a = torch.ones(256, 1024)  # 1 MiB
+        st = a.untyped_storage()
+        del a
+        assert tracker.current_bytes == MIB
+        del st
+        assert tracker.current_bytes == 0
+    assert tracker.peak_bytes == MIB and tracker.allocations == 1
+
+
+def test_tracker_budget_raises_the_out_of_memory_error():
+    from utils.memory import OutOfMemoryError
+
+    assert OutOfMemoryError is torch.cuda.OutOfMemoryError
+    tracker = utils.TensorMemoryTracker(limit_bytes=MIB + MIB // 2)
+    with tracker:
+        a = torch.ones(256, 1024)  # 1 MiB: within the budget
+        with pytest.raises(torch.OutOfMemoryError, match="over the 1.50 MiB budget"):
+            torch.ones(256, 1024)  # a second MiB crosses it
+        del a
+    assert tracker.current_bytes == 0
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="limit_bytes"):
+            utils.TensorMemoryTracker(limit_bytes=bad)
+
+
+def test_tracker_events_name_the_allocating_line_and_stop_when_asked():
+    from utils.memory import BACKWARD_SITE, MemoryEvent
+
+    tracker = utils.TensorMemoryTracker(record_events=True)
+    x = torch.randn(64, 64, requires_grad=True)
+    with tracker:
+        y = (x * 2).exp()
+        y.sum().backward()
+        del y
+    assert all(isinstance(e, MemoryEvent) for e in tracker.events)
+    sites = {e.site for e in tracker.events if e.action == "alloc"}
+    assert any(s.startswith("test_memory.py:") for s in sites), sites
+    assert BACKWARD_SITE in sites
+    frees = sum(e.action == "free" for e in tracker.events)
+    assert frees >= 2 and tracker.events[0].op.startswith("aten.")
+    tracker.stop_recording()
+    n = len(tracker.events)
+    x.grad = None  # freed after recording stopped: counted, not recorded
+    assert len(tracker.events) == n and tracker.current_bytes == 0
+    assert utils.TensorMemoryTracker().events is None  # no list unless asked
+
+
+def test_tracker_can_be_entered_again_and_its_peak_reset():
+    tracker = utils.TensorMemoryTracker()
+    with tracker:
+        a = torch.ones(512, 1024)  # 2 MiB
+    del a
+    tracker.reset_peak()
+    assert tracker.peak_bytes == 0
+    with tracker:
+        b = torch.ones(256, 1024)  # 1 MiB
+    assert tracker.peak_bytes == MIB and tracker.current_bytes == MIB and tracker.allocations == 2
+    del b
+
+
+def test_memory_meter_agrees_with_measure_peak_memory():
+    from utils.memory import MemoryMeter
+
+    def work():
+        a = torch.ones(512, 1024)  # 2 MiB
+        b = torch.ones(256, 1024)  # 1 MiB
+        del a
+        return b
+
+    with MemoryMeter("cpu") as m:
+        kept = work()
+        assert m.held_bytes == MIB and m.peak_bytes == 3 * MIB  # readable inside the block
+    r = utils.measure_peak_memory(work, device="cpu", keep_result=True)
+    assert (m.peak_bytes, m.held_bytes) == (r.peak_bytes, r.retained_bytes) == (3 * MIB, MIB)
+    assert m.method == r.method
+    del kept
+    assert m.held_bytes == 0
+
+
 def test_cpu_probe_sees_saved_activations():
     model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 8))
     x = torch.randn(64, 256)

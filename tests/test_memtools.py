@@ -54,6 +54,29 @@ def test_views_and_inplace_results_are_not_new_memory():
     del v, w
 
 
+def test_one_tracker_serves_memory_and_memtools():
+    """memtools builds on utils.memory's tracker: one storage key, one MemoryMeter."""
+    import utils.memory as memory
+    import utils.memtools as memtools
+
+    assert memtools._storage_key is memory._storage_key
+    assert memtools.MemoryMeter is memory.MemoryMeter
+    assert memtools.OutOfMemoryError is memory.OutOfMemoryError
+    assert not hasattr(memtools, "_StorageRecorder")
+
+
+def test_a_storage_kept_without_its_tensor_stays_in_the_recording():
+    with record_memory("cpu") as rec:
+        a = torch.ones(256, 1024)  # 1 MiB
+        st = a.untyped_storage()  # the storage outlives the tensor
+        del a
+        assert rec.live_bytes_now == MIB
+    assert rec.live_bytes_now == MIB
+    del st
+    assert rec.live_bytes_now == 0
+    assert rec.timeline.live_bytes() == [MIB]
+
+
 def test_memory_alive_after_the_block_is_reported():
     with record_memory("cpu") as rec:
         keep = torch.ones(256, 1024)
@@ -261,6 +284,22 @@ def test_find_max_batch_arguments_and_errors():
 
     with pytest.raises(RuntimeError, match="shape mismatch"):
         find_max_batch(broken, budget_bytes=MIB, device="cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_find_max_batch_on_cuda_starts_every_trial_from_the_same_allocator_state():
+    reserved_at_start = []
+
+    def trial(batch):
+        reserved_at_start.append(torch.cuda.memory_reserved())
+        x = torch.ones(batch, MIB // 4, device="cuda")  # 1 MiB per row
+        return x * 2
+
+    res = find_max_batch(trial, budget_bytes=64 * MIB, device="cuda")
+    assert res.first_failing == res.max_batch + 1 and 16 <= res.max_batch <= 32
+    assert len(set(reserved_at_start)) == 1, reserved_at_start  # cache emptied before each
+    assert res.allocated_after_bytes == res.allocated_before_bytes
+    assert res.reserved_after_bytes <= res.reserved_before_bytes
 
 
 # -- saved-tensor compression --------------------------------------------------------------

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,8 +64,37 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _current_umask() -> int:
+    """The process's umask, read without changing it where Linux reports it
+    (``/proc/self/status``); elsewhere set and restored at once."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _file_mode_for(target: Path) -> int:
+    """The permissions a plain ``torch.save(obj, target)`` would leave: those of the
+    file it overwrites, or for a new file ``0o666`` less the umask (``mkstemp``
+    alone creates ``0o600``, which other users and jobs cannot read)."""
+    try:
+        return stat.S_IMODE(target.stat().st_mode)
+    except OSError:
+        return 0o666 & ~_current_umask()
+
+
 def atomic_save(obj: Any, path: str | os.PathLike, *, fsync: bool = True) -> Path:
     """``torch.save(obj, path)`` so that ``path`` is always either the old file or the new one.
+
+    The file gets the permissions a plain ``torch.save`` would give it: those of
+    the file it replaces, or, for a new file, read and write for everyone the
+    umask allows (usually ``0o644``).
 
     Args:
         obj: what to save (a state dict, or a dict of them with a step counter).
@@ -76,9 +106,12 @@ def atomic_save(obj: Any, path: str | os.PathLike, *, fsync: bool = True) -> Pat
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
+    mode = _file_mode_for(target)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     tmp = Path(tmp_name)
     try:
+        if hasattr(os, "fchmod"):  # POSIX; on Windows mkstemp's file is readable already
+            os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()
@@ -301,7 +334,13 @@ def load_training_state(path: str | os.PathLike, *, model: torch.nn.Module,
                                   f"({str(exc).strip().splitlines()[0]})") from None
         restored.append("optimizer")
     if scaler is not None:
-        scaler.load_state_dict(state["scaler"])
+        try:
+            scaler.load_state_dict(state["scaler"])
+        except (RuntimeError, KeyError, TypeError) as exc:
+            raise CheckpointError(
+                f"{p}: the GradScaler state does not fit this scaler "
+                f"({str(exc).strip().splitlines()[0]}); a scaler saved while disabled (bf16 or "
+                "CPU runs) has no state to restore into an enabled one") from None
         restored.append("scaler")
     if restore_rng and "rng" in state:
         torch.set_rng_state(state["rng"]["cpu"].cpu())

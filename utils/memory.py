@@ -3,14 +3,20 @@
 On CUDA the caching allocator keeps exact counters: we reset its peak, run the
 work and read the peak back. The CPU has no such counters, and process RSS is
 blurred by the system allocator, so on the CPU we count tensor storage
-directly: a ``TorchDispatchMode`` sees every tensor an operator returns,
-tracks its storage, and notices when the last tensor using it dies. Each
-result says which method produced it.
+directly: a ``TorchDispatchMode`` (:class:`TensorMemoryTracker`) sees every
+tensor an operator returns, tracks its storage, and notices when the storage
+is freed. The same tracker can keep a list of allocation events with the line
+of code behind each (``record_events=True``, for ``utils.memtools``'s
+timelines) and enforce a memory budget (``limit_bytes``, raising
+``torch.OutOfMemoryError`` as a device would). Each result says which method
+produced it.
 """
 
 from __future__ import annotations
 
 import copy
+import os
+import sys
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -24,12 +30,30 @@ from .env import pick_device, synchronize
 __all__ = [
     "MemoryResult",
     "MemoryBreakdown",
+    "MemoryEvent",
+    "MemoryMeter",
+    "OutOfMemoryError",
     "TensorMemoryTracker",
     "measure_peak_memory",
     "memory_breakdown",
     "tensor_bytes",
     "format_bytes",
 ]
+
+#: The out-of-memory exception: ``torch.OutOfMemoryError`` (torch 2.5+); its old
+#: spelling, ``torch.cuda.OutOfMemoryError``, is the same class (a ``RuntimeError``).
+OutOfMemoryError: type[RuntimeError] = getattr(torch, "OutOfMemoryError",
+                                               torch.cuda.OutOfMemoryError)
+
+#: The site of memory allocated by the autograd engine with no user code in between.
+BACKWARD_SITE = "backward pass (autograd engine)"
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_HERE = os.path.dirname(os.path.abspath(__file__))
+#: Frames that never name an allocation site: this module, utils.memtools (which builds
+#: on it), contextlib's wrappers and frozen import machinery.
+_OWN_FILES = frozenset(os.path.join(_HERE, f) for f in ("memory.py", "memtools.py"))
+_SKIP_PARTS = (os.sep + "contextlib.py", "<frozen")
 
 
 def format_bytes(n: float | None) -> str:
@@ -45,16 +69,22 @@ def format_bytes(n: float | None) -> str:
     raise AssertionError("unreachable")
 
 
-def _storage_key(t: torch.Tensor) -> tuple[Any, int, int] | None:
-    if not isinstance(t, torch.Tensor) or t.is_meta or t.layout != torch.strided:
+def _storage_key(t: Any) -> tuple[Any, int, int] | None:
+    """``(device, data pointer, bytes)`` of a tensor's storage (or of an
+    ``UntypedStorage``); ``None`` for anything without memory of its own (meta,
+    sparse, empty, not a tensor)."""
+    if isinstance(t, torch.UntypedStorage):
+        st = t
+    elif isinstance(t, torch.Tensor) and not t.is_meta and t.layout == torch.strided:
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return None
+    else:
         return None
-    try:
-        st = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
+    if st.device.type == "meta" or st.nbytes() == 0:
         return None
-    if st.nbytes() == 0:
-        return None
-    return (t.device, st.data_ptr(), st.nbytes())
+    return (st.device, st.data_ptr(), st.nbytes())
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -71,6 +101,42 @@ def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return total
 
 
+@dataclass(frozen=True)
+class MemoryEvent:
+    """One allocator event.
+
+    ``action`` is ``"alloc"`` or ``"free"`` for tensor memory, and on CUDA also
+    ``"segment_alloc"`` / ``"segment_free"`` (the caching allocator asking the
+    driver for memory or giving it back) and ``"oom"``. ``site`` names the
+    line of code that allocated the block (``"models.py:108 forward"``), or
+    :data:`BACKWARD_SITE` for memory the backward pass allocated.
+    """
+
+    action: str
+    address: int
+    size_bytes: int
+    site: str
+    op: str = ""
+
+
+def _site_from_stack() -> str:
+    """The innermost Python frame outside torch and this package's memory tools, or
+    :data:`BACKWARD_SITE` when the call comes from the autograd engine with no user
+    code in between (user code inside a backward pass, such as a checkpointed forward
+    being recomputed, keeps its own line)."""
+    f = sys._getframe(1)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if fn.startswith(_TORCH_DIR):
+            if (f.f_code.co_name == "_engine_run_backward"
+                    or (f.f_code.co_name == "backward" and os.sep + "autograd" + os.sep in fn)):
+                return BACKWARD_SITE
+        elif fn not in _OWN_FILES and not any(s in fn for s in _SKIP_PARTS):
+            return f"{os.path.basename(fn)}:{f.f_lineno} {f.f_code.co_name}"
+        f = f.f_back
+    return "<no Python frame>"
+
+
 class TensorMemoryTracker(TorchDispatchMode):
     """Counts the bytes of tensor storage allocated while active, and their peak.
 
@@ -82,42 +148,158 @@ class TensorMemoryTracker(TorchDispatchMode):
     storage does), not when the last Python tensor using it goes: autograd keeps
     saved activations alive through tensors of its own. Storages that existed
     before the tracker started are never counted: the figures are memory *added*
-    by the tracked work.
+    by the tracked work. Releases keep being counted after the tracker exits, so
+    ``current_bytes`` read later is what the tracked work still holds.
+
+    The tracker can be entered again after it exits (each ``with`` block adds to
+    the same counts); :meth:`reset_peak` restarts the peak at the current level.
+
+    Args:
+        limit_bytes: a memory budget. When an operator takes the counted bytes
+            above it, the tracker raises ``torch.OutOfMemoryError`` (the error a
+            device raises at its limit), so that code written for a GPU's limit
+            can be exercised on a CPU, whose own out-of-memory is the operating
+            system ending the process.
+        record_events: keep :attr:`events`, a list of :class:`MemoryEvent`
+            (each allocation with the line of code behind it, and each release)
+            until :meth:`stop_recording`.
+
+    Raises:
+        ValueError: ``limit_bytes`` is not a positive int.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, limit_bytes: int | None = None, record_events: bool = False) -> None:
+        if limit_bytes is not None and (isinstance(limit_bytes, bool)
+                                        or not isinstance(limit_bytes, int) or limit_bytes <= 0):
+            raise ValueError(f"limit_bytes must be a positive int of bytes, got {limit_bytes!r}")
         super().__init__()
-        self._live: dict[tuple[Any, int, int], int] = {}
+        self._live: dict[tuple[Any, int, int], MemoryEvent | int] = {}
         self.current_bytes = 0
         self.peak_bytes = 0
         self.allocations = 0
+        self.limit_bytes = limit_bytes
+        self.events: list[MemoryEvent] | None = [] if record_events else None
+        self._recording = record_events
+
+    def stop_recording(self) -> None:
+        """Add no more events (the counts go on: ``current_bytes`` still falls as
+        storages are freed)."""
+        self._recording = False
+
+    def reset_peak(self) -> None:
+        """Restart the peak at the bytes counted now."""
+        self.peak_bytes = self.current_bytes
 
     def _release(self, key: tuple[Any, int, int]) -> None:
-        nbytes = self._live.pop(key, None)
-        if nbytes is not None:
-            self.current_bytes -= nbytes
+        entry = self._live.pop(key, None)
+        if entry is None:
+            return
+        self.current_bytes -= key[2]
+        if self._recording and self.events is not None and isinstance(entry, MemoryEvent):
+            self.events.append(MemoryEvent("free", entry.address, entry.size_bytes, entry.site,
+                                           entry.op))
 
-    def _track_new(self, t: torch.Tensor, inputs: set[tuple[Any, int, int]]) -> None:
+    def _track_new(self, t: torch.Tensor, inputs: set[tuple[Any, int, int]], func: Any) -> int:
         key = _storage_key(t)
         if key is None or key in self._live or key in inputs:
-            return
-        self._live[key] = key[2]
+            return 0
+        if self._recording and self.events is not None:
+            ev = MemoryEvent("alloc", key[1], key[2], _site_from_stack(), str(func))
+            self.events.append(ev)
+            self._live[key] = ev
+        else:
+            self._live[key] = key[2]
         self.current_bytes += key[2]
         self.allocations += 1
         self.peak_bytes = max(self.peak_bytes, self.current_bytes)
         weakref.finalize(t.untyped_storage(), self._release, key)
+        return key[2]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         flat_in, _ = tree_flatten((args, kwargs))
-        inputs = {k for a in flat_in if isinstance(a, torch.Tensor)
-                  and (k := _storage_key(a)) is not None}
+        inputs = {k for a in flat_in if (k := _storage_key(a)) is not None}
+        new_bytes = 0
         flat, _ = tree_flatten(out)
         for t in flat:
             if isinstance(t, torch.Tensor):
-                self._track_new(t, inputs)
+                new_bytes += self._track_new(t, inputs, func)
+        if (self.limit_bytes is not None and new_bytes
+                and self.current_bytes > self.limit_bytes):
+            raise OutOfMemoryError(
+                f"out of memory (CPU budget): {func} needed {format_bytes(new_bytes)}, which took "
+                f"live tensor memory to {format_bytes(self.current_bytes)}, over the "
+                f"{format_bytes(self.limit_bytes)} budget that stands in for a device's limit")
         return out
+
+
+class MemoryMeter:
+    """Tensor memory added by a block of code, on CUDA or a CPU: ``with MemoryMeter() as m:``.
+
+    ``m.held_bytes`` is what tensors created since the start still hold (readable
+    inside the block and after it), ``m.peak_bytes`` the highest it reached. On
+    CUDA these come from the caching allocator's counters
+    (``memory_allocated``, ``max_memory_allocated``, whose peak is reset at the
+    start); elsewhere from a :class:`TensorMemoryTracker`, which ignores views
+    and in-place results.
+
+    Args:
+        device: where the work allocates (default: :func:`utils.pick_device`).
+
+    Raises:
+        ValueError: the device is unknown or absent.
+    """
+
+    def __init__(self, device: str | torch.device | None = None) -> None:
+        self.device = pick_device(device)
+        self._tracker: TensorMemoryTracker | None = None
+        self._start = 0
+        self._peak: int | None = None
+
+    @property
+    def method(self) -> str:
+        """How the numbers are measured on this device."""
+        if self.device.type == "cuda":
+            return "CUDA caching allocator (max_memory_allocated)"
+        return "tensor storage tracked with TorchDispatchMode"
+
+    def __enter__(self) -> "MemoryMeter":
+        self._peak = None
+        if self.device.type == "cuda":
+            synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+        else:
+            self._tracker = TensorMemoryTracker()
+            self._tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._tracker is not None:
+            self._tracker.__exit__(*exc)
+            self._peak = self._tracker.peak_bytes
+        else:
+            synchronize(self.device)
+            self._peak = torch.cuda.max_memory_allocated(self.device) - self._start
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes that tensors created since the start still hold."""
+        if self._tracker is not None:
+            return self._tracker.current_bytes
+        synchronize(self.device)
+        return torch.cuda.memory_allocated(self.device) - self._start
+
+    @property
+    def peak_bytes(self) -> int:
+        """The highest :attr:`held_bytes` reached inside the block (so far, if read inside)."""
+        if self._peak is not None:
+            return self._peak
+        if self._tracker is not None:
+            return self._tracker.peak_bytes
+        synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - self._start
 
 
 @dataclass(frozen=True)
@@ -173,38 +355,22 @@ def measure_peak_memory(
     if not callable(fn):
         raise TypeError(f"expected a callable to measure, got {type(fn).__name__}")
     dev = pick_device(device)
-    if dev.type == "cuda":
-        synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        start = torch.cuda.memory_allocated(dev)
+    meter = MemoryMeter(dev)
+    with meter:
         out = fn(*args, **kwargs)
-        synchronize(dev)
+    peak_alloc = peak_res = None
+    if dev.type == "cuda":
         peak_alloc = torch.cuda.max_memory_allocated(dev)
         peak_res = torch.cuda.max_memory_reserved(dev)
-        if not keep_result:
-            out = None
-        retained = torch.cuda.memory_allocated(dev) - start
-        return MemoryResult(
-            peak_bytes=peak_alloc - start,
-            retained_bytes=retained,
-            allocator_peak_allocated_bytes=peak_alloc,
-            allocator_peak_reserved_bytes=peak_res,
-            device=str(dev),
-            method="CUDA caching allocator (max_memory_allocated)",
-            result=out,
-        )
-    tracker = TensorMemoryTracker()
-    with tracker:
-        out = fn(*args, **kwargs)
     if not keep_result:
         out = None
     return MemoryResult(
-        peak_bytes=tracker.peak_bytes,
-        retained_bytes=tracker.current_bytes,
-        allocator_peak_allocated_bytes=None,
-        allocator_peak_reserved_bytes=None,
+        peak_bytes=meter.peak_bytes,
+        retained_bytes=meter.held_bytes,
+        allocator_peak_allocated_bytes=peak_alloc,
+        allocator_peak_reserved_bytes=peak_res,
         device=str(dev),
-        method="tensor storage tracked with TorchDispatchMode",
+        method=meter.method,
         result=out,
     )
 

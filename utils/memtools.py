@@ -3,14 +3,16 @@
 - :class:`record_memory` records every allocation and free of a piece of work.
   On CUDA it switches on the caching allocator's own history
   (``torch.cuda.memory._record_memory_history``) and reads the snapshot back;
-  on a CPU, which has no such allocator, a dispatch mode watches the storage
-  of every tensor an operator returns. Both give a :class:`MemoryTimeline`,
+  on a CPU, which has no such allocator, :class:`utils.memory.TensorMemoryTracker`
+  (a dispatch mode) watches the storage of every tensor an operator returns.
+  Both give a :class:`MemoryTimeline`,
   which :func:`plot_memory_timeline` draws offline (no website needed), split
   by the line of code that allocated each tensor. A CPU timeline can also
   enforce a memory budget that raises ``torch.OutOfMemoryError``, a stand-in
   for a device's limit.
-- :class:`MemoryMeter` reads the tensor memory a block of code adds, and its peak, on either
-  device (the allocator's counters on CUDA, the same storage recorder on a CPU).
+- :class:`MemoryMeter` (defined in :mod:`utils.memory`, re-exported here) reads the tensor
+  memory a block of code adds, and its peak, on either device (the allocator's counters on
+  CUDA, the same storage tracker on a CPU).
 - :func:`find_max_batch` finds the largest batch that fits: it grows the batch
   until a trial raises ``torch.OutOfMemoryError``, then bisects, and leaves
   the allocator as it found it (gradients freed, no exception kept alive,
@@ -40,11 +42,17 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from .env import pick_device, synchronize
-from .memory import format_bytes
+from .memory import (
+    BACKWARD_SITE,
+    MemoryEvent,
+    MemoryMeter,
+    OutOfMemoryError,
+    TensorMemoryTracker,
+    _storage_key,
+    format_bytes,
+)
 
 __all__ = [
     "OutOfMemoryError",
@@ -63,38 +71,14 @@ __all__ = [
     "reset_peak_host_memory",
 ]
 
-#: The out-of-memory exception: ``torch.OutOfMemoryError`` (torch 2.5+); its old
-#: spelling, ``torch.cuda.OutOfMemoryError``, is the same class.
-OutOfMemoryError: type[RuntimeError] = getattr(torch, "OutOfMemoryError",
-                                               torch.cuda.OutOfMemoryError)
-
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_THIS_FILE = os.path.abspath(__file__)
-_SKIP_FILES = (_TORCH_DIR, _THIS_FILE, os.sep + "contextlib.py", "<frozen")
-BACKWARD_SITE = "backward pass (autograd engine)"
+#: Frames of a CUDA snapshot's stacks that never name an allocation site.
+_SKIP_FILES = (_TORCH_DIR, os.path.abspath(__file__), os.sep + "contextlib.py", "<frozen")
 
 
 # --------------------------------------------------------------------------------------
 # Timelines
 # --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class MemoryEvent:
-    """One allocator event.
-
-    ``action`` is ``"alloc"`` or ``"free"`` for tensor memory, and on CUDA also
-    ``"segment_alloc"`` / ``"segment_free"`` (the caching allocator asking the
-    driver for memory or giving it back) and ``"oom"``. ``site`` names the
-    line of code that allocated the block (``"models.py:108 forward"``), or
-    :data:`BACKWARD_SITE` for memory the backward pass allocated.
-    """
-
-    action: str
-    address: int
-    size_bytes: int
-    site: str
-    op: str = ""
-
-
 @dataclass(frozen=True)
 class MemoryTimeline:
     """The allocations and frees of one recorded piece of work, in order.
@@ -173,113 +157,6 @@ class MemoryTimeline:
                 f"start [{self.device}, {self.method}]")
 
 
-def _site_from_stack() -> str:
-    """The innermost Python frame outside torch and this module, or
-    :data:`BACKWARD_SITE` when the call comes from the autograd engine with no
-    user code in between (user code inside a backward pass, such as a
-    checkpointed forward being recomputed, keeps its own line)."""
-    f = sys._getframe(2)
-    while f is not None:
-        fn = f.f_code.co_filename
-        if fn.startswith(_TORCH_DIR):
-            if (f.f_code.co_name == "_engine_run_backward"
-                    or (f.f_code.co_name == "backward" and os.sep + "autograd" + os.sep in fn)):
-                return BACKWARD_SITE
-        elif not any(s in fn for s in _SKIP_FILES):
-            return f"{os.path.basename(fn)}:{f.f_lineno} {f.f_code.co_name}"
-        f = f.f_back
-    return "<no Python frame>"
-
-
-def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
-    if t.is_meta or t.layout != torch.strided:
-        return None
-    try:
-        st = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None
-    n = st.nbytes()
-    if n == 0:
-        return None
-    return st.data_ptr(), n
-
-
-class _StorageRecorder(TorchDispatchMode):
-    """Records each new tensor storage an operator returns, and its release.
-
-    A storage is *new* when it belongs to none of the operator's inputs and is
-    not already alive: views and in-place results share their input's storage
-    and add nothing, and views of tensors that existed before recording are
-    not counted. A storage is released when the last tensor that uses it
-    dies (a weak-reference finaliser per tensor).
-    """
-
-    def __init__(self, limit_bytes: int | None = None) -> None:
-        super().__init__()
-        self.events: list[MemoryEvent] = []
-        self._refs: dict[tuple[int, int], int] = {}
-        self._alloc: dict[tuple[int, int], MemoryEvent] = {}
-        self.current_bytes = 0
-        self.peak_bytes = 0
-        self.limit_bytes = limit_bytes
-        self.active = True
-
-    def _release(self, key: tuple[int, int]) -> None:
-        left = self._refs.get(key)
-        if left is None:
-            return
-        if left > 1:
-            self._refs[key] = left - 1
-            return
-        del self._refs[key]
-        a = self._alloc.pop(key)
-        self.current_bytes -= a.size_bytes
-        if self.active:
-            self.events.append(MemoryEvent("free", a.address, a.size_bytes, a.site, a.op))
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if not self.active:
-            return out
-        inputs = set()
-        for a in tree_flatten((args, kwargs))[0]:
-            if isinstance(a, torch.Tensor):
-                k = _storage_key(a)
-            elif isinstance(a, torch.UntypedStorage) and a.nbytes():
-                k = (a.data_ptr(), a.nbytes())
-            else:
-                continue
-            if k is not None:
-                inputs.add(k)
-        new_bytes = 0
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
-            key = _storage_key(t)
-            if key is None:
-                continue
-            if key in self._refs:
-                self._refs[key] += 1
-            elif key in inputs:
-                continue  # a view or in-place result of a tensor from before recording
-            else:
-                ev = MemoryEvent("alloc", key[0], key[1], _site_from_stack(), str(func))
-                self.events.append(ev)
-                self._alloc[key] = ev
-                self._refs[key] = 1
-                self.current_bytes += key[1]
-                self.peak_bytes = max(self.peak_bytes, self.current_bytes)
-                new_bytes += key[1]
-            weakref.finalize(t, self._release, key)
-        if self.limit_bytes is not None and self.current_bytes > self.limit_bytes and new_bytes:
-            raise OutOfMemoryError(
-                f"out of memory (CPU budget): {func} needed {format_bytes(new_bytes)}, which took "
-                f"live tensor memory to {format_bytes(self.current_bytes)}, over the "
-                f"{format_bytes(self.limit_bytes)} budget that stands in for a device's limit")
-        return out
-
-
 class record_memory:
     """Record the allocations of a piece of work: ``with record_memory() as rec: ...``.
 
@@ -287,9 +164,9 @@ class record_memory:
     (``torch.cuda.memory._record_memory_history``, Python stacks) and reads its
     snapshot at exit; :meth:`dump_snapshot` writes that snapshot for the
     PyTorch memory visualizer (https://pytorch.org/memory_viz). On a CPU a
-    dispatch mode records tensor storages instead (the same events, without
-    the allocator's segments). Either way ``rec.timeline`` is a
-    :class:`MemoryTimeline`.
+    :class:`utils.memory.TensorMemoryTracker` records tensor storages instead
+    (the same events, without the allocator's segments). Either way
+    ``rec.timeline`` is a :class:`MemoryTimeline`.
 
     Args:
         device: where the work allocates (default: :func:`utils.pick_device`).
@@ -318,7 +195,7 @@ class record_memory:
         self.limit_bytes = limit_bytes
         self.snapshot: dict[str, Any] | None = None
         self._timeline: MemoryTimeline | None = None
-        self._recorder: _StorageRecorder | None = None
+        self._recorder: TensorMemoryTracker | None = None
 
     def __enter__(self) -> "record_memory":
         if self.device.type == "cuda":
@@ -333,7 +210,8 @@ class record_memory:
             # Where clear_history is missing, skip whatever an earlier recording left.
             self._skip = len(self._trace(torch.cuda.memory._snapshot()))
         else:
-            self._recorder = _StorageRecorder(self.limit_bytes)
+            self._recorder = TensorMemoryTracker(limit_bytes=self.limit_bytes,
+                                                 record_events=True)
             self._recorder.__enter__()
         return self
 
@@ -352,9 +230,9 @@ class record_memory:
             rec = self._recorder
             assert rec is not None
             rec.__exit__(*exc)
-            rec.active = False  # frees after the block are no longer part of the timeline
+            rec.stop_recording()  # frees after the block are no longer part of the timeline
             self._timeline = MemoryTimeline(
-                events=tuple(rec.events), device=str(self.device),
+                events=tuple(rec.events or ()), device=str(self.device),
                 method="tensor storages recorded with TorchDispatchMode")
 
     def _trace(self, snapshot: dict[str, Any]) -> list[dict[str, Any]]:
@@ -385,60 +263,6 @@ class record_memory:
         with open(p, "wb") as fh:
             pickle.dump(self.snapshot, fh)
         return p
-
-
-class MemoryMeter:
-    """Tensor memory added by a block of code, on CUDA or a CPU: ``with MemoryMeter() as m:``.
-
-    ``m.held_bytes`` is what tensors created since the start still hold (readable
-    inside the block and after it), ``m.peak_bytes`` the highest it reached. On
-    CUDA these come from the caching allocator's counters
-    (``memory_allocated``, ``max_memory_allocated``, whose peak is reset at the
-    start); on a CPU from the same storage recorder as :class:`record_memory`,
-    which ignores views and in-place results. Lighter than
-    :class:`record_memory` on CUDA: no history is kept.
-    """
-
-    def __init__(self, device: str | torch.device | None = None) -> None:
-        self.device = pick_device(device)
-        self._recorder: _StorageRecorder | None = None
-        self._start = 0
-        self._peak: int | None = None
-
-    def __enter__(self) -> "MemoryMeter":
-        if self.device.type == "cuda":
-            synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._start = torch.cuda.memory_allocated(self.device)
-        else:
-            self._recorder = _StorageRecorder()
-            self._recorder.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._recorder is not None:
-            self._recorder.__exit__(*exc)
-            self._recorder.active = False
-            self._peak = self._recorder.peak_bytes
-        else:
-            synchronize(self.device)
-            self._peak = torch.cuda.max_memory_allocated(self.device) - self._start
-
-    @property
-    def held_bytes(self) -> int:
-        if self._recorder is not None:
-            return self._recorder.current_bytes
-        synchronize(self.device)
-        return torch.cuda.memory_allocated(self.device) - self._start
-
-    @property
-    def peak_bytes(self) -> int:
-        if self._peak is not None:
-            return self._peak
-        if self._recorder is not None:
-            return self._recorder.peak_bytes
-        synchronize(self.device)
-        return torch.cuda.max_memory_allocated(self.device) - self._start
 
 
 def _site_from_frames(frames: Sequence[Mapping[str, Any]]) -> str:
@@ -684,7 +508,7 @@ def find_max_batch(trial: Callable[[int], Any], *, start: int = 1, max_batch: in
     if dev.type != "cuda" and budget_bytes is None:
         raise ValueError("on a CPU give budget_bytes: running out of host memory gets the "
                          "process killed by the operating system, not an exception to catch")
-    recorder: _StorageRecorder | None = None
+    recorder: TensorMemoryTracker | None = None
     old_fraction: float | None = None
     if dev.type == "cuda":
         synchronize(dev)
@@ -699,16 +523,20 @@ def find_max_batch(trial: Callable[[int], Any], *, start: int = 1, max_batch: in
                 min(1.0, (res0 + budget_bytes) / total), dev)
     else:
         alloc0, res0 = 0, None
-        recorder = _StorageRecorder(budget_bytes)
-        recorder.active = True
+        recorder = TensorMemoryTracker(limit_bytes=budget_bytes)
 
     trials: list[BatchTrial] = []
 
     def attempt(batch: int) -> bool:
         if dev.type == "cuda":
+            # Every trial starts from the same allocator state: blocks cached by the last
+            # trial would otherwise serve (or fragment) this one, and a borderline batch
+            # could fit in one search and not in the next.
+            synchronize(dev)
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(dev)
         elif recorder is not None:
-            recorder.peak_bytes = recorder.current_bytes
+            recorder.reset_peak()
         t0 = time.perf_counter()
         error = ""
         try:
@@ -862,14 +690,14 @@ class SavedTensorCompression(torch.autograd.graph.saved_tensors_hooks):
             self.packed_bytes += nbytes
             return ("raw", t)
         self.compressed_tensors += 1
-        if nbytes == key[1]:  # the view covers its whole storage: compress the storage once
-            share_key = (t.device, *key, t.dtype, t._version)
+        if nbytes == key[2]:  # the view covers its whole storage: compress the storage once
+            share_key = (*key, t.dtype, t._version)
             hit = self._shared.get(share_key)
             if hit is not None and hit[0]() is not None:
                 self.shared_tensors += 1
                 packed = hit[1]
             else:
-                flat = t.detach().as_strided((key[1] // t.element_size(),), (1,), 0)
+                flat = t.detach().as_strided((key[2] // t.element_size(),), (1,), 0)
                 packed = self._compress(flat)
                 shared = self._shared
 
