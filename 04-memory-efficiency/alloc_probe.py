@@ -100,6 +100,8 @@ def settings(torch) -> dict:
         "env": {v: os.environ.get(v) for v in CONF_VARS if os.environ.get(v) is not None},
         "allocator_settings": raw,
         "snapshot_allocator_settings": snapshot_settings,
+        # the one setting the notebook checks, as the allocator itself reports it
+        "snapshot_expandable_segments": (snapshot_settings or {}).get("expandable_segments"),
         "backend": torch.cuda.get_allocator_backend(),
         "max_split_size": torch.cuda.memory_stats().get("max_split_size"),
     }
