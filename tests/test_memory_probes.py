@@ -55,6 +55,7 @@ def test_ckpt_probe_plain_and_mmap_load_the_same_model(tmp_path):
     assert res["plain"]["tied"] and res["mmap"]["tied"]
     assert res["plain"]["n_parameters"] == res["mmap"]["n_parameters"]
     assert all(r["peak_above_start_bytes"] >= 0 and r["file_bytes"] > 0 for r in res.values())
+    assert all(r["load_s"] >= 0 and r["checksum_s"] >= 0 for r in res.values())
     assert not list(tmp_path.glob("*.warmup.pt"))
 
 
