@@ -97,6 +97,13 @@ def test_interpreter_check_passes_on_awkward_sizes(interpreter_result):
     assert all(c["shape"][-1] % c["block"] or c["shape"][-1] < c["block"]
                for c in result["cases"])
     assert {c["dtype"] for c in result["cases"]} == {"float32", "float16", "bfloat16"}
+    # the bfloat16 allowance for h is granted only where the interpreter was measured to round
+    # toward zero; rounding to nearest even must give h bit for bit
+    assert result["bf16_rounding"] in ("to nearest even", "toward zero", "other")
+    if result["bf16_rounding"] == "to nearest even":
+        assert all(c["h_elements_not_bit_equal"] == 0 for c in result["cases"])
+    assert all(c["h_elements_not_bit_equal"] == 0 for c in result["cases"]
+               if c["dtype"] != "bfloat16")
 
 
 def test_broken_kernel_is_caught_only_by_awkward_sizes(interpreter_result):
