@@ -77,3 +77,18 @@ def test_resolve_smoke_precedence(monkeypatch):
     monkeypatch.setenv("COURSE_SMOKE", "maybe")
     with pytest.raises(ValueError, match="COURSE_SMOKE"):
         resolve_smoke(None)
+
+
+def test_quiet_native_stderr_hides_fd_2_only_inside_and_survives_an_error(capfd):
+    import os
+
+    from utils.env import quiet_native_stderr
+
+    with quiet_native_stderr():
+        os.write(2, b"hidden")
+    with pytest.raises(RuntimeError, match="raised inside"):
+        with quiet_native_stderr():
+            os.write(2, b"also hidden")
+            raise RuntimeError("raised inside")
+    os.write(2, b"shown")
+    assert capfd.readouterr().err == "shown"

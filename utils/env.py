@@ -7,11 +7,12 @@ with :func:`needs`, which skips loudly instead of failing deep inside.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import sys
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -26,6 +27,7 @@ __all__ = [
     "needs",
     "resolve_smoke",
     "synchronize",
+    "quiet_native_stderr",
 ]
 
 _KNOWN_DEVICE_TYPES = ("cpu", "cuda", "mps")
@@ -36,6 +38,32 @@ _KNOWN_DEVICE_TYPES = ("cpu", "cuda", "mps")
 # explicit KINETO_LOG_LEVEL wins). On a GPU its errors stay visible.
 if not torch.cuda.is_available():
     os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+
+
+@contextlib.contextmanager
+def quiet_native_stderr() -> Iterator[None]:
+    """Send what native code writes straight to file descriptor 2 to ``/dev/null`` for a moment.
+
+    Some torch builds' profiler library prints a line to fd 2 each time the profiler starts
+    or stops (``profiler_start``/``profiler_stop`` stage lines, at any log level); in a
+    notebook those lines land between the results. Wrap only the profiler's start, stop and
+    event collection in this, never the profiled code, so that no warning of the user's code
+    is lost. Python-level errors still propagate as exceptions. Where there is no real fd 2
+    (some embedded interpreters) it does nothing.
+    """
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, AttributeError, ValueError):
+        yield
+        return
+    try:
+        with open(os.devnull, "w", encoding="utf-8") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def pick_device(device: str | torch.device | None = None) -> torch.device:

@@ -20,7 +20,6 @@ writes (``torch._inductor.utils.run_and_get_code`` returns it), on either device
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import re
@@ -33,6 +32,7 @@ from typing import Any, Callable
 import torch
 
 from .env import pick_device, synchronize
+from .env import quiet_native_stderr as _quiet_native_stderr
 
 __all__ = [
     "ByteCount",
@@ -163,26 +163,6 @@ def _counts_cpu(events: Any) -> tuple[Counter, bool]:
         counts[name] += 1
         inductor_kernels += is_kernel
     return counts, compiled_regions > 0 and inductor_kernels == 0
-
-
-@contextlib.contextmanager
-def _quiet_native_stderr():
-    """Silence what native code writes to file descriptor 2 (the profiler's library logs
-    "profiler_start"/"profiler_stop" stage lines there, at any log level), then restore it.
-    Python-level errors still propagate as exceptions."""
-    try:
-        sys.stderr.flush()
-        saved = os.dup(2)
-    except (OSError, ValueError, AttributeError):  # no real fd 2 (some embedded interpreters)
-        yield
-        return
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 def count_kernels(fn: Callable[..., Any], *args: Any, device: str | torch.device | None = None,
