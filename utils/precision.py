@@ -11,7 +11,7 @@ the old one while they disagree raises "you have used mix of the legacy and new
 APIs". Setting only ``torch.backends.cuda.matmul.fp32_precision`` leaves them
 disagreeing, and torch itself still reads the old setting in places (Inductor's
 bmm templates read ``torch.backends.cuda.matmul.allow_tf32`` in torch 2.15; others
-have hit it inside ``torch.compile`` on 2.9-2.10). cuDNN is the same story one
+have hit it inside ``torch.compile`` on 2.9-2.10: pytorch/pytorch#166387, #179445). cuDNN is the same story one
 level down: torch keeps one combined cuDNN flag beside the per-operator ones (conv,
 RNN), reads it (``torch.export`` does), and raises unless all of them agree. So this
 module sets matmul precision with ``torch.set_float32_matmul_precision``, which
