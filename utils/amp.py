@@ -30,7 +30,7 @@ from typing import Any, Callable, ContextManager, Hashable, Iterable, Mapping, S
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .env import pick_device, synchronize
+from .env import pick_device, quiet_native_stderr, synchronize
 from .timing import Timing, benchmark
 
 __all__ = [
@@ -463,34 +463,6 @@ def _under_optimizer_step(evt: Any) -> bool:
     return False
 
 
-@contextlib.contextmanager
-def _native_stderr_silenced() -> Any:
-    """Send what native code writes straight to file descriptor 2 to /dev/null for a moment.
-
-    Some torch builds print a line to fd 2 each time the profiler starts and stops; in a
-    notebook those lines land between the results. Only the profiler's start and stop are
-    wrapped, never the profiled code, so no warning of the user's code can be lost.
-    """
-    import os
-    import sys
-
-    try:
-        sys.stderr.flush()
-        saved = os.dup(2)
-    except (OSError, AttributeError, ValueError):  # no real fd 2 here: nothing to silence
-        yield
-        return
-    try:
-        with open(os.devnull, "w", encoding="utf-8") as null:
-            os.dup2(null.fileno(), 2)
-            try:
-                yield
-            finally:
-                os.dup2(saved, 2)
-    finally:
-        os.close(saved)
-
-
 def time_breakdown(fn: Callable[..., Any], *args: Any, device: str | torch.device | None = None,
                    calls: int = 3, warmup: int = 1, rounds: int = 1,
                    categories: Mapping[str, Iterable[str]] | None = None,
@@ -541,14 +513,14 @@ def time_breakdown(fn: Callable[..., Any], *args: Any, device: str | torch.devic
     best: dict[str, float] = {}
     for _ in range(rounds):
         prof = profile(activities=activities)
-        with _native_stderr_silenced():
+        with quiet_native_stderr():
             prof.__enter__()
         try:
             for _ in range(calls):
                 fn(*args, **kwargs)
             synchronize(dev)
         finally:
-            with _native_stderr_silenced():
+            with quiet_native_stderr():
                 prof.__exit__(None, None, None)
         totals = {name: 0.0 for name in [*cats, "other"]}
         for evt in prof.events():
