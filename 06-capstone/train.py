@@ -273,7 +273,8 @@ def _train(args, sizes, cfg, rung_name, preset, rank, world, device, notes=()) -
     # (as at smoke size), the default sizes for the GPU-sized model
     ceiling = ladder.measure_ceilings_tflops([kind], device, quick=preset == "tiny")[kind]
     say(f"device {device} x {world} process(es), torch {torch.__version__}; preset {preset}: "
-        f"{gpt_cfg}")
+        f"{gpt_cfg.n_layer} layers, width {gpt_cfg.n_embd}, {gpt_cfg.n_head} heads, "
+        f"context {gpt_cfg.block_size}")
     say(f"data: {data.n_chars:,} characters of torch's sources -> {data.tokens.numel():,} tokens, "
         f"vocabulary {vocab} (padded to {ladder.padded_size(vocab, cfg.vocab_multiple)})")
     for note in notes:
@@ -335,10 +336,14 @@ def _train(args, sizes, cfg, rung_name, preset, rank, world, device, notes=()) -
                                f"{speed:,.0f} tokens/s  MFU {mfu:.1%} (of the measured {kind} "
                                "ceiling)", file=sys.stdout)
                     sys.stdout.flush()
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{speed:,.0f}", mfu=f"{mfu:.1%}")
+            if math.isnan(speed):  # no timed window has ended yet
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s="(timing)", mfu="(timing)")
+            else:
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{speed:,.0f}", mfu=f"{mfu:.1%}")
             bar.update()
         bar.close()
-    say(f"first step (compile, warm-up): {first_s:.1f} s, not in the rates above")
+    what = "compilation and warm-up" if cfg.compile else "warm-up"
+    say(f"first step ({what}): {first_s:.1f} s, not in the rates above")
     result = {"final_loss": loss, "tokens_per_s": speeds[-1] if speeds else math.nan,
               "mfu": mfu, "steps": args.steps, "world_size": world,
               "wall_s": time.perf_counter() - t_start}

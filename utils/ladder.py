@@ -995,7 +995,7 @@ TABLE_COLUMNS = {
     "<items>/s": "tokens (or images) per second: the step's targets / ms per step",
     "total": "speedup over the first rung (the baseline): its ms/step / this rung's",
     "this": "speedup over the last rung that ran before it: what this rung added",
-    "peak mem": "peak memory of the rung (how it is measured is in RungResult.memory_method)",
+    "peak mem": "peak memory of the rung (the memory panel's title says how it was measured)",
     "MFU": "model FLOPs per second / the measured matmul ceiling of the rung's own dtype",
     "vs <ref>": "the same FLOP/s against one reference ceiling (e.g. bf16) for every rung",
     "warm-up": "the first step, apart: compilation, allocation, autotuning",
@@ -1169,7 +1169,7 @@ def plot_ladder(results: Sequence[RungResult], title: str = "", flat_band: float
     ax.set_xlabel("step")
     ax.set_ylabel(f"loss - {base.name}'s loss (% of it)")
     ax.set_title("loss curves: same initial weights, same batches")
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, ncol=2, loc="lower right")
 
     # 4. memory
     ax = axes[1, 1]
