@@ -205,3 +205,14 @@ def test_profile_step_rejects_bad_arguments():
         ct.profile_step(lambda: None, steps=0)
     with pytest.raises(ValueError):
         ct.profile_step(lambda: None, warmup=-1)
+
+
+def test_profile_step_keeps_the_profiler_library_lines_out_of_the_output(capfd):
+    """The profiler's native library writes start/stop lines to fd 2; a notebook must not show them."""
+
+    def step():
+        return torch.ones(8).sum()
+
+    ct.profile_step(step, steps=1)
+    err = capfd.readouterr().err
+    assert "profiler_start" not in err and "profiler_stop" not in err, err

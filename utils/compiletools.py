@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .env import EnvInfo, pick_device, synchronize
+from .env import EnvInfo, pick_device, quiet_native_stderr, synchronize
 from .precision import TF32State, set_tf32, tf32_state
 
 __all__ = [
@@ -482,13 +482,20 @@ def profile_step(fn: Callable[..., Any], *args: Any, steps: int = 3, warmup: int
         fn(*args, **kwargs)
     synchronize(dev)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    prof = profile(activities=activities)
+    with quiet_native_stderr():  # the profiler library's start/stop lines, not the step's output
+        prof.start()
+    try:
         start = time.perf_counter()
         for _ in range(steps):
             fn(*args, **kwargs)
         synchronize(dev)
         wall_ms = (time.perf_counter() - start) * 1e3
-    events = list(prof.events())
+    finally:
+        with quiet_native_stderr():
+            prof.stop()
+    with quiet_native_stderr():
+        events = list(prof.events())
     name = label or getattr(fn, "__name__", "step")
     if dev.type == "cuda":
         kernels = [KernelEvent(e.name, float(e.time_range.start), float(e.time_range.end))
