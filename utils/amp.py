@@ -30,7 +30,8 @@ from typing import Any, Callable, ContextManager, Hashable, Iterable, Mapping, S
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .env import pick_device, quiet_native_stderr, synchronize
+from .env import pick_device
+from .profiling import check_count, profile_calls
 from .timing import Timing, benchmark
 
 __all__ = [
@@ -493,37 +494,18 @@ def time_breakdown(fn: Callable[..., Any], *args: Any, device: str | torch.devic
     """
     if not callable(fn):
         raise TypeError(f"expected a callable, got {type(fn).__name__}")
-    if not isinstance(calls, int) or calls < 1:
-        raise ValueError(f"calls must be a positive int, got {calls!r}")
-    if not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be a non-negative int, got {warmup!r}")
-    if not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds must be a positive int, got {rounds!r}")
+    check_count("calls", calls, 1)
+    check_count("warmup", warmup, 0)
+    check_count("rounds", rounds, 1)
     cats = dict(OP_CATEGORIES if categories is None else categories)
     dev = pick_device(device)
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(warmup):
-        fn(*args, **kwargs)
-    synchronize(dev)
-    activities = [ProfilerActivity.CPU]
     cuda = dev.type == "cuda"
-    if cuda:
-        activities.append(ProfilerActivity.CUDA)
     best: dict[str, float] = {}
-    for _ in range(rounds):
-        prof = profile(activities=activities)
-        with quiet_native_stderr():
-            prof.__enter__()
-        try:
-            for _ in range(calls):
-                fn(*args, **kwargs)
-            synchronize(dev)
-        finally:
-            with quiet_native_stderr():
-                prof.__exit__(None, None, None)
+    for r in range(rounds):
+        traced = profile_calls(lambda: fn(*args, **kwargs), device=dev, calls=calls,
+                               warmup=warmup if r == 0 else 0)
         totals = {name: 0.0 for name in [*cats, "other"]}
-        for evt in prof.events():
+        for evt in traced.events:
             if not evt.name.startswith("aten::"):
                 continue  # kernels, autograd and profiler ranges: their time is in the aten ops
             if cuda:

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .env import EnvInfo, pick_device, quiet_native_stderr, synchronize
+from .env import EnvInfo
+from .profiling import check_count, profile_calls
 from .precision import TF32State, set_tf32, tf32_state
 
 __all__ = [
@@ -469,33 +469,12 @@ def profile_step(fn: Callable[..., Any], *args: Any, steps: int = 3, warmup: int
         ValueError: ``steps`` below 1 or ``warmup`` below 0.
     """
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
 
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive int, got {steps!r}")
-    if not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
-    dev = pick_device(device)
-    for _ in range(warmup):
-        fn(*args, **kwargs)
-    synchronize(dev)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    prof = profile(activities=activities)
-    with quiet_native_stderr():  # the profiler library's start/stop lines, not the step's output
-        prof.start()
-    try:
-        start = time.perf_counter()
-        for _ in range(steps):
-            fn(*args, **kwargs)
-        synchronize(dev)
-        wall_ms = (time.perf_counter() - start) * 1e3
-    finally:
-        with quiet_native_stderr():
-            prof.stop()
-    with quiet_native_stderr():
-        events = list(prof.events())
+    check_count("steps", steps, 1)
+    traced = profile_calls(lambda: fn(*args, **kwargs), device=device, calls=steps, warmup=warmup)
+    dev, wall_ms, events = traced.device, traced.wall_ms, list(traced.events)
     name = label or getattr(fn, "__name__", "step")
     if dev.type == "cuda":
         kernels = [KernelEvent(e.name, float(e.time_range.start), float(e.time_range.end))

@@ -31,8 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-from .env import pick_device, synchronize
-from .env import quiet_native_stderr as _quiet_native_stderr
+from .profiling import check_count, profile_calls
 
 __all__ = [
     "ByteCount",
@@ -188,35 +187,16 @@ def count_kernels(fn: Callable[..., Any], *args: Any, device: str | torch.device
     if not callable(fn):
         raise TypeError(f"expected a callable to profile, got {type(fn).__name__}; pass the "
                         "function itself (f), not its result (f())")
-    if not isinstance(calls, int) or calls < 1:
-        raise ValueError(f"calls must be a positive int, got {calls!r}")
-    if not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be a non-negative int, got {warmup!r}")
-    from torch.profiler import ProfilerActivity, profile
-
-    dev = pick_device(device)
-    for _ in range(warmup):
+    check_count("calls", calls, 1)
+    check_count("warmup", warmup, 0)
+    for _ in range(warmup):  # outside the warning filter below: the function's warnings show
         fn(*args, **kwargs)
-    synchronize(dev)
-    activities = [ProfilerActivity.CPU]
-    if dev.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
     with warnings.catch_warnings():
         # The profiler may warn about unsupported activities or its own setup; the count is
         # what matters here, and a missing device trace is reported below.
         warnings.simplefilter("ignore")
-        prof = profile(activities=activities)
-        with _quiet_native_stderr():
-            prof.start()
-        try:
-            for _ in range(calls):
-                fn(*args, **kwargs)
-            synchronize(dev)
-        finally:
-            with _quiet_native_stderr():
-                prof.stop()
-    with _quiet_native_stderr():
-        events = prof.events()
+        traced = profile_calls(lambda: fn(*args, **kwargs), device=device, calls=calls)
+    dev, events = traced.device, traced.events
     if dev.type == "cuda":
         device_type = torch.autograd.DeviceType.CUDA
         counts = Counter(e.name for e in events if e.device_type == device_type)
