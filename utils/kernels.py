@@ -21,9 +21,7 @@ writes (``torch._inductor.utils.run_and_get_code`` returns it), on either device
 from __future__ import annotations
 
 import functools
-import os
 import re
-import sys
 import warnings
 from collections import Counter
 from dataclasses import dataclass
