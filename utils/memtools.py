@@ -45,6 +45,7 @@ import torch
 
 from .env import pick_device, synchronize
 from .memory import (
+    _TORCH_DIR,
     BACKWARD_SITE,
     MemoryEvent,
     MemoryMeter,
@@ -71,7 +72,6 @@ __all__ = [
     "reset_peak_host_memory",
 ]
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
 #: Frames of a CUDA snapshot's stacks that never name an allocation site.
 _SKIP_FILES = (_TORCH_DIR, os.path.abspath(__file__), os.sep + "contextlib.py", "<frozen")
 
