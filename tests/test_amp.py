@@ -180,3 +180,15 @@ def test_time_breakdown_rounds_keep_the_smallest():
     assert b.calls == 3 and b.ms("matmul / conv") > 0
     with pytest.raises(ValueError, match="rounds"):
         utils.time_breakdown(model, x, rounds=0)
+
+
+def test_loss_gap_says_whether_the_reference_learned():
+    # 02/04 on the H100: fp32 fell 9.100 -> 9.022 (0.9% of its loss) and a "gap as a share of
+    # the drop" of 1.45 came from dividing by almost nothing.
+    hardly = utils.loss_gap([9.1, 9.0, 8.909, 8.909], [9.100, 9.06, 9.022, 9.022], last=2)
+    assert hardly.ref_drop_share == pytest.approx(0.0086, abs=1e-3)
+    assert not hardly.reference_learned(0.2)
+    learned = utils.loss_gap([9.0, 5.0, 3.0, 3.0], [9.0, 5.0, 3.1, 3.1], last=2)
+    assert learned.reference_learned(0.2) and learned.gap_of_drop < 0.05
+    with pytest.raises(ValueError, match="min_share"):
+        learned.reference_learned(1.5)

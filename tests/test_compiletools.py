@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import utils
+from conftest import FIXTURES
 from utils import compiletools as ct
 from utils.compiletools import KernelEvent
 
@@ -42,6 +43,62 @@ from utils.compiletools import KernelEvent
 ])
 def test_classify_kernel(name, category):
     assert ct.classify_kernel(name) == category
+
+
+def _h100_names():
+    path = FIXTURES / "kernels" / "h100_smallcnn_step.tsv"
+    rows = [line.split("\t", 1) for line in path.read_text().splitlines()
+            if line and not line.startswith("#")]
+    return [(name, category) for category, name in rows]
+
+
+@pytest.mark.parametrize("name, category", _h100_names(),
+                         ids=[n[:60] for n, _ in _h100_names()])
+def test_classify_kernel_on_real_h100_names(name, category):
+    # Full names from the first H100 run. Templated elementwise kernels carry "{lambda" in
+    # their arguments: read as the optimizer word "lamb", they were counted as optimizer work.
+    assert ct.classify_kernel(name) == category
+
+
+@pytest.mark.parametrize("name, base", [
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::AUnaryFunctor<float, float, "
+     "float, at::native::binary_internal::MulFunctor<float> >, std::array<char*, 2ul> >(int, "
+     "at::native::AUnaryFunctor<float, float, float, at::native::binary_internal::MulFunctor<float> "
+     ">, std::array<char*, 2ul>)", "at::native::vectorized_elementwise_kernel"),
+    ("void (anonymous namespace)::softmax_warp_forward<float, float, float, 4, true, false>(float*)",
+     "anonymous::softmax_warp_forward"),
+    ("triton_poi_fused_add_gelu_1", "triton_poi_fused_add_gelu_1"),
+    ("Memcpy HtoD (Pageable -> Device)", "Memcpy HtoD"),
+])
+def test_kernel_base_name(name, base):
+    assert ct.kernel_base_name(name) == base
+
+
+@pytest.mark.parametrize("arguments", ["{lambda(float)#1}", "FusedAdamMathFunctor<float>",
+                                       "at::native::SGDFunctor", "flash_attention_traits"])
+def test_template_arguments_never_decide_the_category(arguments):
+    name = f"void at::native::elementwise_kernel<128, 2, {arguments}>(int, {arguments})"
+    assert ct.classify_kernel(name) == "other"
+    assert ct.classify_kernel("void lamb_update_kernel<float>(float*)") == "optimizer"
+
+
+def test_profiler_user_annotations_are_not_kernels():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from utils.profiling import gpu_kernel_events
+
+    def ev(name, device, annotation=False):
+        return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation)
+
+    events = [ev("Optimizer.zero_grad#AdamW.zero_grad", DeviceType.CUDA, True),
+              ev("forward", DeviceType.CUDA, True),
+              ev("forward", DeviceType.CPU),
+              ev("ampere_sgemm_128x64_tn", DeviceType.CUDA),
+              ev("Memset (Device)", DeviceType.CUDA)]
+    assert [e.name for e in gpu_kernel_events(events)] == ["ampere_sgemm_128x64_tn",
+                                                           "Memset (Device)"]
 
 
 def test_classify_kernel_rejects_non_strings():

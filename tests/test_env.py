@@ -92,3 +92,15 @@ def test_quiet_native_stderr_hides_fd_2_only_inside_and_survives_an_error(capfd)
             raise RuntimeError("raised inside")
     os.write(2, b"shown")
     assert capfd.readouterr().err == "shown"
+
+
+def test_print_env_names_tf32_overrides(capsys, monkeypatch):
+    monkeypatch.setenv("NVIDIA_TF32_OVERRIDE", "0")
+    env = utils.print_env("cpu")
+    out = capsys.readouterr().out
+    assert "TF32 override" in out and "NVIDIA_TF32_OVERRIDE=0" in out
+    assert env.tf32_overrides == {"NVIDIA_TF32_OVERRIDE": "0"}
+    monkeypatch.delenv("NVIDIA_TF32_OVERRIDE")
+    monkeypatch.delenv("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", raising=False)
+    utils.print_env("cpu")
+    assert "TF32 override" not in capsys.readouterr().out

@@ -112,3 +112,83 @@ def test_reports_survive_a_per_backend_switch_set_alone():
         assert "cuda=tf32" in utils.matmul_precision_label()
         assert utils.get_env("cpu").float32_matmul_precision == utils.matmul_precision_label()
     assert utils.matmul_precision_label() == torch.get_float32_matmul_precision()
+
+
+# -- the environment's TF32 overrides ------------------------------------------------------
+
+def test_tf32_overrides_are_read_and_described():
+    env = {"NVIDIA_TF32_OVERRIDE": "0", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1", "PATH": "/bin"}
+    got = precision.tf32_overrides(env)
+    assert got == {"NVIDIA_TF32_OVERRIDE": "0", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"}
+    text = precision.describe_tf32_overrides(got)
+    assert "NVIDIA_TF32_OVERRIDE=0" in text and "full fp32" in text
+    assert "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1" in text and "whatever torch's settings say" in text
+    assert precision.tf32_overrides({}) == {} and precision.describe_tf32_overrides({}) == ""
+
+
+@pytest.mark.parametrize("matmul, env, cc, expected", [
+    (False, {}, (9, 0), False),
+    (True, {}, (9, 0), True),
+    (True, {}, (7, 5), False),                                        # no TF32 before sm80
+    (False, {"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"}, (9, 0), True),  # on behind the settings
+    (True, {"NVIDIA_TF32_OVERRIDE": "0"}, (9, 0), False),             # off behind the settings
+    (True, {"NVIDIA_TF32_OVERRIDE": "1"}, (9, 0), True),              # only 0 changes anything
+])
+def test_tf32_in_effect(matmul, env, cc, expected):
+    assert precision.tf32_in_effect("cuda:0", matmul=matmul, capability=cc,
+                                    environ=env) is expected
+
+
+def test_tf32_is_never_in_effect_on_a_cpu():
+    with utils.tf32(True):
+        assert precision.tf32_in_effect("cpu") is False
+        assert precision.arithmetic(torch.float32, "cpu") == "fp32"
+
+
+# -- tolerances -----------------------------------------------------------------------------
+
+def test_tolerance_follows_the_arithmetic():
+    fp32 = precision.tolerance(torch.float32, "cpu", tf32=False)
+    tf32 = precision.tolerance(torch.float32, "cpu", tf32=True)
+    bf16 = precision.tolerance(torch.bfloat16, "cpu")
+    fp16 = precision.tolerance(torch.float16, "cpu")
+    assert (fp32.arithmetic, tf32.arithmetic, bf16.arithmetic) == ("fp32", "tf32", "bf16")
+    assert fp32.rtol < tf32.rtol == fp16.rtol < bf16.rtol
+    # each is a small multiple of its arithmetic's unit roundoff, never a round guess
+    for tol in (tf32, bf16, fp16):
+        assert tol.rtol == 8 * precision.UNIT_ROUNDOFF[tol.arithmetic]
+    assert precision.loosest_tolerance(torch.float32) == tf32
+
+
+def test_tolerance_scales_atol_with_the_values():
+    small = torch.full((100,), 0.01)
+    tol = precision.tolerance(torch.float32, "cpu", tf32=True, scale=small)
+    assert tol.atol == pytest.approx(tol.rtol * 0.01)
+    # 01's old TF32 tolerance, atol=1e-2 on values of size 0.01, passed a 100% error;
+    # a tolerance scaled to the values fails a 10% error.
+    assert tol.excess(small * 1.1, small) > 10
+    torch.testing.assert_close(small * (1 + tol.rtol / 2), small, **tol.kwargs())
+
+
+def test_tolerance_under_tf32_on_a_gpu_node():
+    # The same call on an sm90 GPU with TF32 allowed gives TF32's tolerance (test_devices
+    # runs it with the CUDA APIs faked; here the state is given).
+    tol = precision.tolerance(torch.float32, "cuda:0", tf32=True)
+    assert tol.arithmetic == "tf32"
+
+
+def test_excess_measures_in_units_of_the_tolerance():
+    tol = precision.Tolerance(rtol=0.0, atol=1e-3, arithmetic="fp32")
+    e = torch.zeros(4)
+    assert tol.excess(e + 5e-4, e) == pytest.approx(0.5)
+    assert tol.excess(e + 2e-2, e) == pytest.approx(20)
+    with pytest.raises(ValueError, match="shapes differ"):
+        tol.excess(torch.zeros(3), e)
+
+
+@pytest.mark.parametrize("bad", [dict(dtype=torch.int64), dict(scale=0.0), dict(scale=-1.0),
+                                 dict(factor=0), dict(scale=float("inf"))])
+def test_tolerance_rejects_bad_input(bad):
+    kwargs = {"dtype": torch.float32, **bad}
+    with pytest.raises(ValueError):
+        precision.tolerance(kwargs.pop("dtype"), "cpu", **kwargs)

@@ -6,7 +6,8 @@ results ledger. The public surface is what ``__all__`` lists, plus :mod:`utils.d
 (launching ``torchrun`` workers and setting one up).
 """
 
-from .data import CPUHeavyImages, CUDAPrefetcher, SyntheticImages, SyntheticTokens, worker_init
+from .data import (CPUHeavyImages, CUDAPrefetcher, MarkovTokens, SyntheticImages, SyntheticTokens,
+                   worker_init)
 from .env import EnvInfo, Gate, get_env, needs, pick_device, print_env, resolve_smoke, synchronize
 from .flops import (
     Ceilings,
@@ -36,7 +37,11 @@ from .memory import (
 )
 from .models import MLP, GPTConfig, SmallCNN, TinyGPT, count_parameters
 from .precision import (
+    Tolerance,
     TF32State,
+    loosest_tolerance,
+    tf32_in_effect,
+    tolerance,
     fp32_matmul_precision,
     fp32_matmul_precision_state,
     matmul_precision_label,
@@ -78,6 +83,8 @@ from .timing import (
 from . import distributed  # noqa: E402  (torchrun launch and worker helpers: utils.distributed)
 from . import ladder  # noqa: E402  (the capstone's speedup ladder: utils.ladder)
 from . import compiletools  # noqa: E402  (module 01's compile helpers: utils.compiletools)
+from . import collectives  # noqa: E402  (counting collectives: utils.collectives)
+from . import sizes  # noqa: E402  (sizes derived from the machine: utils.sizes)
 
 __version__ = "0.1.0"
 
@@ -98,10 +105,11 @@ __all__ = [
     "plot_roofline",
     # models and data
     "MLP", "SmallCNN", "GPTConfig", "TinyGPT", "count_parameters", "SyntheticImages",
-    "SyntheticTokens", "CPUHeavyImages", "CUDAPrefetcher", "worker_init",
+    "SyntheticTokens", "MarkovTokens", "CPUHeavyImages", "CUDAPrefetcher", "worker_init",
     # precision
     "TF32State", "tf32_state", "set_tf32", "tf32", "fp32_matmul_precision",
-    "fp32_matmul_precision_state", "matmul_precision_label",
+    "fp32_matmul_precision_state", "matmul_precision_label", "Tolerance", "tolerance",
+    "loosest_tolerance", "tf32_in_effect",
     # mixed-precision helpers (utils.amp)
     "dtype_name", "rel_error", "CPUPrecisionSupport", "cpu_precision_support", "AtenOpCounter",
     "count_aten_ops", "fp8_matmul_api", "fp8_matmul", "LossGap", "loss_gap", "TimingJob",

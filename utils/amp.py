@@ -284,6 +284,22 @@ class LossGap:
     def gap_of_drop(self) -> float:
         return abs(self.final - self.ref_final) / self.ref_drop
 
+    @property
+    def ref_drop_share(self) -> float:
+        """How much of its first loss the reference shed: ``ref_drop / |ref_first|``.
+
+        A gap is measured against the reference's drop, so it means something only where
+        that drop is a real share of the loss: at 0.01 (the reference hardly learned), any
+        difference between two runs is a large "share of the drop".
+        """
+        return self.ref_drop / abs(self.ref_first) if self.ref_first else float("inf")
+
+    def reference_learned(self, min_share: float) -> bool:
+        """Whether the reference shed at least ``min_share`` of its first loss (say 0.2)."""
+        if not 0 < min_share < 1:
+            raise ValueError(f"min_share must be in (0, 1), got {min_share!r}")
+        return self.ref_drop_share >= min_share
+
 
 def _final(values: Sequence[float], last: int, log: bool) -> float:
     tail = [float(v) for v in values[-last:]]

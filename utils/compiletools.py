@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -26,7 +27,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from .env import EnvInfo
-from .profiling import check_count, profile_calls
+from .profiling import check_count, gpu_kernel_events, profile_calls
 from .precision import TF32State, set_tf32, tf32_state
 
 __all__ = [
@@ -42,6 +43,7 @@ __all__ = [
     "StepProfile",
     "KERNEL_CATEGORIES",
     "classify_kernel",
+    "kernel_base_name",
     "summarize_kernels",
     "profile_step",
 ]
@@ -251,9 +253,12 @@ _MATMUL_WORDS = ("gemm", "cutlass", "nvjet", "cublas", "xmma", "wgmma", "gemv", 
                  "aten::convolution", "aten::conv", "aten::cudnn_convolution",
                  "aten::mkldnn_convolution", "aten::_convolution", "aten::convolution_backward",
                  "conv2d", "implicit_gemm", "sgemm", "fprop", "dgrad", "wgrad", "winograd",
-                 "convolve", "sm80_", "sm90_", "sm100_", "ampere_", "turing_", "volta_")
+                 "convolve", "sm80_", "sm90_", "sm100_", "ampere_", "turing_", "volta_",
+                 "fft2d_", "implicitgemm", "splitkreduce", "triton_mm", "triton_bmm")
 _ATTENTION_WORDS = ("flash", "fmha", "attention", "attn", "sdpa", "scaled_dot_product")
-_OPTIMIZER_WORDS = ("adam", "sgd", "_foreach_", "multi_tensor_apply", "lamb", "adagrad")
+_OPTIMIZER_WORDS = ("adam", "sgd", "_foreach_", "multi_tensor_apply", "adagrad")
+# LAMB, as a word: "lamb" is also the start of every "{lambda" in a templated kernel name.
+_LAMB = re.compile(r"(^|[^a-z])lamb([^a-z]|$)")
 _FUSED_WORDS = ("triton_poi", "triton_red", "triton_per", "triton_for", "cpp_fused", "cpp_kernel")
 # CPU operators that only relabel or allocate memory: no arithmetic, no kernel on a GPU.
 _NO_COMPUTE = {"view", "_unsafe_view", "t", "transpose", "reshape", "_reshape_alias", "expand",
@@ -268,25 +273,45 @@ _LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "c
 _GRAPH_LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")
 
 
+def kernel_base_name(name: str) -> str:
+    """A kernel's name without its return type, template arguments and parameter list.
+
+    ``void at::native::vectorized_elementwise_kernel<4, at::native::...{lambda(float)#1}...>
+    (int, ...)`` becomes ``at::native::vectorized_elementwise_kernel``: what a kernel *is* sits
+    before its first ``<`` or ``(``; what follows names the types and functors it was built
+    with, and words in them ("lambda", "Adam" in a functor's namespace) say nothing about the
+    kernel's kind.
+    """
+    s = name.strip()
+    if s.startswith("void "):
+        s = s[5:]
+    s = s.replace("(anonymous namespace)", "anonymous")
+    for i, ch in enumerate(s):
+        if ch in "<(":
+            return s[:i].strip() or name
+    return s
+
+
 def classify_kernel(name: str) -> str:
     """The category of a kernel (GPU) or top-level operator (CPU), from its name.
 
     ``matmul`` (cuBLAS/CUTLASS GEMMs, Inductor's Triton matmul templates, convolutions),
-    ``attention`` (flash/efficient attention kernels), ``optimizer`` (fused or foreach
+    ``attention`` (flash/efficient/cuDNN attention kernels), ``optimizer`` (fused or foreach
     optimizer kernels), ``copy`` (device memcpy/memset) and ``other``: elementwise ops,
     reductions, norms, softmax, the loss, Inductor's fused pointwise/reduction kernels,
-    the memory-bound work that fusion can shrink.
+    the memory-bound work that fusion can shrink. Only the kernel's base name counts
+    (:func:`kernel_base_name`): template and function arguments are ignored.
     """
     if not isinstance(name, str):
         raise TypeError(f"a kernel name is a str, got {type(name).__name__}")
-    low = name.lower()
+    low = kernel_base_name(name).lower()
     if low.startswith("memcpy") or low.startswith("memset"):
         return "copy"
     if any(w in low for w in _FUSED_WORDS) and "triton_tem" not in low:
         return "other"
     if any(w in low for w in _ATTENTION_WORDS):
         return "attention"
-    if any(w in low for w in _OPTIMIZER_WORDS):
+    if any(w in low for w in _OPTIMIZER_WORDS) or _LAMB.search(low):
         return "optimizer"
     if any(w in low for w in _MATMUL_WORDS):
         return "matmul"
@@ -478,7 +503,7 @@ def profile_step(fn: Callable[..., Any], *args: Any, steps: int = 3, warmup: int
     name = label or getattr(fn, "__name__", "step")
     if dev.type == "cuda":
         kernels = [KernelEvent(e.name, float(e.time_range.start), float(e.time_range.end))
-                   for e in events if e.device_type == DeviceType.CUDA]
+                   for e in gpu_kernel_events(events)]
         launches = sum(1 for e in events if e.device_type == DeviceType.CPU
                        and e.name in _LAUNCH_CALLS)
         graphs = sum(1 for e in events if e.device_type == DeviceType.CPU

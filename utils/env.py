@@ -11,12 +11,12 @@ import contextlib
 import os
 import platform
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
 import torch
 
-from .precision import matmul_precision_label
+from .precision import describe_tf32_overrides, matmul_precision_label, tf32_overrides
 
 __all__ = [
     "EnvInfo",
@@ -69,6 +69,10 @@ def quiet_native_stderr() -> Iterator[None]:
 def pick_device(device: str | torch.device | None = None) -> torch.device:
     """Return the device to run on.
 
+    A CUDA device always carries its index: ``None`` and ``"cuda"`` give the current
+    CUDA device (``cuda:0`` unless code chose another with ``torch.cuda.set_device``),
+    so that every CUDA API the result is passed to accepts it.
+
     Args:
         device: ``None`` picks CUDA when available, else CPU. A string such as
             ``"cpu"``, ``"cuda"`` or ``"cuda:1"`` or a ``torch.device`` is
@@ -79,7 +83,9 @@ def pick_device(device: str | torch.device | None = None) -> torch.device:
             machine does not have.
     """
     if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
@@ -103,6 +109,11 @@ def pick_device(device: str | torch.device | None = None) -> torch.device:
                 f"device {str(dev)!r} was asked for, but only "
                 f"{torch.cuda.device_count()} CUDA device(s) exist"
             )
+        if dev.index is None:
+            # Some CUDA APIs refuse a device without an index (get/set_per_process_memory_
+            # fraction, set_device: "Expected a torch.device with a specified index"); 'cuda'
+            # means the current device, so name it.
+            dev = torch.device("cuda", torch.cuda.current_device())
     if dev.type == "mps" and not (
         hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
     ):
@@ -139,6 +150,9 @@ class EnvInfo:
     cpu_count: int  # cores this process may use (its affinity set)
     python_version: str
     platform: str
+    # TF32 override variables set in the environment (NVIDIA_TF32_OVERRIDE,
+    # TORCH_ALLOW_TF32_CUBLAS_OVERRIDE), name to value; empty when none is set.
+    tf32_overrides: dict[str, str] = field(default_factory=dict)
 
     @property
     def is_cuda(self) -> bool:
@@ -225,6 +239,7 @@ def get_env(device: str | torch.device | None = None) -> EnvInfo:
         cpu_count=usable_cpu_count(),
         python_version=sys.version.split()[0],
         platform=platform.platform(terse=True),
+        tf32_overrides=tf32_overrides(),
     )
 
 
@@ -255,6 +270,10 @@ def print_env(device: str | torch.device | None = None) -> EnvInfo:
         ("CPU threads (torch)", f"{env.cpu_threads} of {env.cpu_count} cores"),
         ("python", f"{env.python_version} on {env.platform}"),
     ]
+    if env.tf32_overrides:
+        # Set behind the notebook's back (a cluster image, a job script): name them, since
+        # they decide whether fp32 results carry TF32 rounding.
+        rows.insert(10, ("TF32 override (env)", describe_tf32_overrides(env.tf32_overrides)))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}} : {value}")
@@ -326,7 +345,7 @@ def needs(
             )
         if bf16 and not torch.cuda.is_bf16_supported(including_emulation=False):
             missing.append("bfloat16 support on the GPU")
-        if flash_attention and not _flash_attention_supported(torch.device("cuda")):
+        if flash_attention and not _flash_attention_supported(pick_device("cuda")):
             missing.append("FlashAttention (needs sm80+ and a build that has it)")
     n_gpus = torch.cuda.device_count() if have_cuda else 0
     if min_gpus > 1 and n_gpus < min_gpus:

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from .profiling import check_count, profile_calls
+from .profiling import check_count, gpu_kernel_events, profile_calls
 
 __all__ = [
     "ByteCount",
@@ -196,8 +196,7 @@ def count_kernels(fn: Callable[..., Any], *args: Any, device: str | torch.device
         traced = profile_calls(lambda: fn(*args, **kwargs), device=device, calls=calls)
     dev, events = traced.device, traced.events
     if dev.type == "cuda":
-        device_type = torch.autograd.DeviceType.CUDA
-        counts = Counter(e.name for e in events if e.device_type == device_type)
+        counts = Counter(e.name for e in gpu_kernel_events(events))
         if not counts:
             # No device activity. Either the function launched nothing (fine: zero kernels),
             # or the GPU side of the trace is missing, or the work ran on the CPU.

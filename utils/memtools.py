@@ -585,6 +585,17 @@ def find_max_batch(trial: Callable[[int], Any], *, start: int = 1, max_batch: in
                 lo = mid
             else:
                 hi = mid
+    except BaseException as first:
+        # Put the allocator's limit back, but never let a failure to do so replace the error
+        # that stopped the search: that one is what the reader needs to see.
+        if old_fraction is not None:
+            try:
+                torch.cuda.set_per_process_memory_fraction(old_fraction, dev)
+            except Exception as restore_error:  # noqa: BLE001 - reported on the first error
+                if hasattr(first, "add_note"):  # Python 3.11+
+                    first.add_note(f"(and restoring the memory fraction failed: {restore_error})")
+            old_fraction = None
+        raise
     finally:
         if old_fraction is not None:
             torch.cuda.set_per_process_memory_fraction(old_fraction, dev)

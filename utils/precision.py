@@ -33,13 +33,16 @@ such mode and uses TF32). On torch before 2.9 it falls back to the global
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
 __all__ = ["TF32State", "tf32_state", "set_tf32", "tf32", "fp32_matmul_precision",
-           "fp32_matmul_precision_state", "matmul_precision_label"]
+           "fp32_matmul_precision_state", "matmul_precision_label", "TF32_OVERRIDE_VARS",
+           "tf32_overrides", "describe_tf32_overrides", "tf32_in_effect", "Tolerance",
+           "arithmetic", "tolerance", "loosest_tolerance", "UNIT_ROUNDOFF"]
 
 
 def _new_api() -> bool:
@@ -247,3 +250,202 @@ def matmul_precision_label() -> str:
     if legacy is not None:
         return legacy
     return ", ".join(f"{k}={v}" for k, v in fp32_matmul_precision_state().items())
+
+
+# -- what is really in effect: environment overrides --------------------------------------
+
+#: Environment variables that change TF32 behind torch's settings. ``NVIDIA_TF32_OVERRIDE=0``
+#: makes NVIDIA's libraries (cuBLAS, cuDNN) compute fp32 in full precision whatever a program
+#: asks for (other values change nothing); ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`` makes torch
+#: let cuBLAS use TF32 for fp32 matmuls whatever ``set_float32_matmul_precision`` says (torch
+#: reads it once, at start-up). Cluster images and job scripts set them; a tolerance chosen
+#: for fp32 then meets TF32 results without any line of the notebook saying so.
+TF32_OVERRIDE_VARS = ("NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE")
+
+
+def tf32_overrides(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The TF32 override variables set in ``environ`` (default: this process's), name to value."""
+    env = os.environ if environ is None else environ
+    return {k: env[k] for k in TF32_OVERRIDE_VARS if env.get(k, "").strip() != ""}
+
+
+def describe_tf32_overrides(overrides: dict[str, str]) -> str:
+    """One line for a report: what each set override does, or ``""`` when none is set."""
+    parts = []
+    for name, value in overrides.items():
+        v = value.strip()
+        if name == "NVIDIA_TF32_OVERRIDE":
+            effect = ("NVIDIA's libraries compute fp32 matmuls and convolutions in full fp32, "
+                      "whatever torch's settings say" if v == "0"
+                      else "no effect (only 0 changes anything)")
+        else:
+            effect = ("cuBLAS may use TF32 for fp32 matmuls whatever torch's settings say"
+                      if v.lower() in ("1", "true", "yes", "on") else "no effect")
+        parts.append(f"{name}={v} ({effect})")
+    return "; ".join(parts)
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def tf32_in_effect(device: str | torch.device | None = None, *, matmul: bool | None = None,
+                   capability: tuple[int, int] | None = None,
+                   environ: dict[str, str] | None = None) -> bool:
+    """Whether fp32 matmuls on ``device`` really run with TF32 inputs.
+
+    TF32 needs an NVIDIA GPU of compute capability 8.0 or newer, a setting that allows it
+    (``matmul``, default: the current :func:`tf32_state`) or ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1``,
+    and no ``NVIDIA_TF32_OVERRIDE=0``. On a CPU (or MPS) it is never in effect.
+
+    Args:
+        device: the device the fp32 work runs on (default: :func:`utils.pick_device`).
+        matmul: the TF32 setting to assume (default: the current one).
+        capability: the GPU's compute capability (default: read from ``device``).
+        environ: the environment to read the overrides from (default: this process's).
+    """
+    dev = None if device is None else torch.device(device)
+    if dev is None or (dev.type == "cuda" and dev.index is None and capability is None):
+        from .env import pick_device  # env imports this module
+
+        dev = pick_device(dev)  # the index: CUDA APIs may refuse a device without one
+    if dev.type != "cuda":
+        return False
+    cc = capability if capability is not None else torch.cuda.get_device_capability(dev)
+    if tuple(cc) < (8, 0):
+        return False
+    env = os.environ if environ is None else environ
+    if env.get("NVIDIA_TF32_OVERRIDE", "").strip() == "0":
+        return False
+    allowed = tf32_state().matmul if matmul is None else matmul
+    return bool(allowed or _truthy(env.get("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE")))
+
+
+# -- tolerances ------------------------------------------------------------------------------
+
+#: Unit roundoff (half the gap between 1 and the next number) of each arithmetic a result
+#: can come from. TF32 keeps fp32's range with fp16's 10 explicit mantissa bits.
+UNIT_ROUNDOFF = {"fp64": 2.0**-53, "fp32": 2.0**-24, "tf32": 2.0**-11, "fp16": 2.0**-11,
+                 "bf16": 2.0**-8}
+
+#: Relative tolerance of each arithmetic, for two computations of the same function that
+#: differ in order and kernels (eager vs compiled, one fused kernel vs several, one rank vs
+#: several). Reduced precision: 8 unit roundoffs (inputs rounded once, sums in fp32).
+#: fp32 and fp64: 2^-13 and 2^-40, room for long sums added up in another order through a
+#: few layers (the error of a reordered fp32 sum of n terms grows like n x 2^-24 at worst).
+_RTOL = {"fp64": 2.0**-40, "fp32": 2.0**-13, "tf32": 8 * 2.0**-11, "fp16": 8 * 2.0**-11,
+         "bf16": 8 * 2.0**-8}
+_DTYPE_NAMES = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16",
+                torch.bfloat16: "bf16"}
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How far two results of the same function may be apart, for one arithmetic.
+
+    An element passes when ``|actual - expected| <= atol + rtol * |expected|``, the rule of
+    :func:`torch.testing.assert_close`. ``atol`` is ``rtol`` times the scale of the values
+    (their root mean square, when :func:`tolerance` was given the expected tensor), so that
+    a small output is held to the same relative standard as a large one.
+
+    Attributes:
+        rtol: relative tolerance.
+        atol: absolute tolerance, in the units of the values.
+        arithmetic: what the tolerance is for: ``"fp32"``, ``"tf32"``, ``"bf16"``, ...
+        scale: the magnitude ``atol`` was scaled to.
+    """
+
+    rtol: float
+    atol: float
+    arithmetic: str
+    scale: float = 1.0
+
+    def kwargs(self) -> dict[str, float]:
+        """``dict(rtol=..., atol=...)`` for :func:`torch.testing.assert_close`."""
+        return {"rtol": self.rtol, "atol": self.atol}
+
+    def excess(self, actual: torch.Tensor, expected: torch.Tensor) -> float:
+        """The worst element's error in units of what this tolerance allows it.
+
+        Below 1 passes; a negative control should reach 10 or more, so that the check
+        it must fail does not pass it by luck.
+        """
+        a = actual.detach().to(torch.float64)
+        e = expected.detach().to(torch.float64).to(a.device)
+        if a.shape != e.shape:
+            raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(e.shape)}")
+        if a.numel() == 0:
+            return 0.0
+        allowed = self.atol + self.rtol * e.abs()
+        return float(((a - e).abs() / allowed).max())
+
+    def __str__(self) -> str:
+        return (f"rtol {self.rtol:.1e}, atol {self.atol:.1e} ({self.arithmetic}"
+                + (f", values of scale {self.scale:.3g}" if self.scale != 1.0 else "") + ")")
+
+
+def arithmetic(dtype: torch.dtype = torch.float32, device: str | torch.device | None = None,
+               *, tf32: bool | None = None) -> str:
+    """The arithmetic matmuls in ``dtype`` on ``device`` really use: ``"fp32"``, ``"tf32"``,
+    ``"bf16"``, ``"fp16"`` or ``"fp64"``.
+
+    ``tf32`` forces the answer for fp32 (``True``: as if TF32 were on, for a check that
+    must hold on a GPU node too); ``None`` reads the device, the settings and the override
+    variables (:func:`tf32_in_effect`).
+
+    Raises:
+        ValueError: a dtype that is not a floating-point type the course uses.
+    """
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"no tolerance for dtype {dtype}: use one of "
+                         f"{', '.join(str(d) for d in _DTYPE_NAMES)}")
+    name = _DTYPE_NAMES[dtype]
+    if name != "fp32":
+        return name
+    if tf32 is None:
+        tf32 = tf32_in_effect(device)
+    return "tf32" if tf32 else "fp32"
+
+
+def tolerance(dtype: torch.dtype = torch.float32, device: str | torch.device | None = None, *,
+              tf32: bool | None = None, scale: float | torch.Tensor = 1.0,
+              factor: float = 1.0) -> Tolerance:
+    """The tolerance for comparing two computations of one function in ``dtype``.
+
+    The one place the course derives a tolerance: from the dtype, the device and the TF32
+    state in effect there (settings and override variables), so a check written for fp32
+    does not fail, or pass too easily, when the same cell runs with TF32 on a GPU.
+
+    Args:
+        dtype: the dtype the compared results were computed in.
+        device: where they were computed (default: :func:`utils.pick_device`).
+        tf32: force TF32 on or off for fp32 instead of reading the device (``True`` gives
+            the loosest fp32 tolerance any GPU node could use).
+        scale: the magnitude of the values: a number, or the expected tensor, whose root
+            mean square is used. ``atol = rtol * scale``.
+        factor: widen (or narrow) both tolerances, for a comparison known to differ more
+            (say why beside it).
+
+    Raises:
+        ValueError: an unknown dtype, a scale or factor that is not positive and finite.
+    """
+    name = arithmetic(dtype, device, tf32=tf32)
+    if isinstance(scale, torch.Tensor):
+        scale = float(scale.detach().to(torch.float64).pow(2).mean().sqrt()) if scale.numel() else 1.0
+        scale = scale if scale > 0 else 1.0
+    if not (isinstance(scale, (int, float)) and 0 < scale < float("inf")):
+        raise ValueError(f"scale must be a positive finite number or a tensor, got {scale!r}")
+    if not (isinstance(factor, (int, float)) and 0 < factor < float("inf")):
+        raise ValueError(f"factor must be a positive finite number, got {factor!r}")
+    rtol = _RTOL[name] * factor
+    return Tolerance(rtol=rtol, atol=rtol * float(scale), arithmetic=name, scale=float(scale))
+
+
+def loosest_tolerance(dtype: torch.dtype = torch.float32, *,
+                      scale: float | torch.Tensor = 1.0, factor: float = 1.0) -> Tolerance:
+    """The loosest tolerance :func:`tolerance` gives ``dtype`` on any device: TF32's for fp32.
+
+    A negative control must break *this* one by 10x or more, so that it is caught on a
+    GPU node with TF32 on as well as on the CPU where CI runs it.
+    """
+    return tolerance(dtype, "cpu", tf32=True, scale=scale, factor=factor)

@@ -19,7 +19,7 @@ import torch
 
 from .env import pick_device, quiet_native_stderr, synchronize
 
-__all__ = ["ProfiledCalls", "check_count", "profile_calls"]
+__all__ = ["ProfiledCalls", "check_count", "profile_calls", "new_profiler", "gpu_kernel_events"]
 
 
 def check_count(name: str, value: Any, minimum: int) -> None:
@@ -33,6 +33,30 @@ def check_count(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
         raise ValueError(f"{name} must be {what}, got {value!r}")
+
+
+def new_profiler(activities: Any, **kwargs: Any) -> Any:
+    """A ``torch.profiler.profile`` for one start/stop cycle, as the course takes its traces.
+
+    ``acc_events=True`` keeps the events of a cycle after it ends. With one cycle it changes
+    nothing but this: without it, torch 2.11 warns once per process that the profiler "clears
+    events at the end of each cycle", a line a learner reads as a fault.
+    """
+    from torch.profiler import profile
+
+    return profile(activities=activities, acc_events=True, **kwargs)
+
+
+def gpu_kernel_events(events: Any) -> list[Any]:
+    """The events of a trace that are work on a GPU: kernels, memcpys and memsets.
+
+    The GPU timeline also carries the ranges of ``torch.profiler.record_function`` labels
+    (user annotations, ``gpu_user_annotation`` in the trace): they span kernels, they are not
+    kernels, and counting them would count a labelled step once more per label.
+    """
+    cuda = torch.autograd.DeviceType.CUDA
+    return [e for e in events
+            if e.device_type == cuda and not getattr(e, "is_user_annotation", False)]
 
 
 @dataclass(frozen=True)
@@ -74,7 +98,7 @@ def profile_calls(run: Callable[[], Any], *, device: str | torch.device | None =
                         "function itself (f), not its result (f())")
     check_count("calls", calls, 1)
     check_count("warmup", warmup, 0)
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
     dev = pick_device(device)
     for _ in range(warmup):
@@ -83,7 +107,7 @@ def profile_calls(run: Callable[[], Any], *, device: str | torch.device | None =
     activities = [ProfilerActivity.CPU]
     if dev.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    prof = profile(activities=activities)
+    prof = new_profiler(activities)
     with quiet_native_stderr():
         prof.start()
     try:
