@@ -115,3 +115,19 @@ def test_constraints_tool_writes_markers_only_where_versions_differ(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert out.read_text().splitlines()[-4:] == lines
+
+
+def test_the_torch_floor_is_the_torch_ci_tests():
+    """The oldest torch that pyproject, environment.yml and the README allow is the one
+    `.ci/run` installs for its second pass: a floor CI never runs is a promise nobody checks."""
+    ci = (REPO / ".ci" / "run").read_text()
+    oldest = re.search(r"OLDEST_TORCH=\$\{OLDEST_TORCH:-([0-9.]+)\}", ci).group(1)
+    torch_req = next(Requirement(r) for r in _project()["dependencies"]
+                     if Requirement(r).name == "torch")
+    assert str(torch_req.specifier) == f">={oldest}"
+    env = (REPO / "environment.yml").read_text()
+    assert f"torch>={oldest}" in env
+    readme = (REPO / "README.md").read_text()
+    assert f"Any torch from {oldest} on is supported" in readme
+    assert f'pip install "torch=={oldest}.*" -e ".[dev]" -c constraints.txt' in readme
+    assert f'"torch==$OLDEST_TORCH.*" -e ".[dev]" -c constraints.txt' in ci
