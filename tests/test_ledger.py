@@ -93,3 +93,29 @@ def test_expectation_not_measured_here(tmp_path):
         led.expect("x", None, at_least=1.0)
     with pytest.raises(ValueError, match="no value"):
         led.expect("x", None, at_least=1.0, applies=False)
+
+
+def test_a_shared_run_is_recorded_and_not_strict(results_tmp, monkeypatch):
+    monkeypatch.setenv("COURSE_SHARED_JOBS", "3")
+    monkeypatch.delenv("COURSE_STRICT", raising=False)
+    led = utils.Ledger("00-x/01_y", smoke=False, env={"device_name": "GPU"})
+    assert led.shared and led.shared_jobs == 3 and not led.strict
+    led.expect("speedup", 1.0, at_least=2.0, unit="x")
+    led.finish()                                   # a missed claim does not fail a shared run
+    back = utils.Ledger.load(led.default_path())
+    assert back.shared_jobs == 3
+    assert "3 notebooks ran at once" in back.to_markdown()
+    monkeypatch.delenv("COURSE_SHARED_JOBS")
+    alone = utils.Ledger("00-x/01_y", smoke=False, env={"device_name": "GPU"})
+    assert not alone.shared and alone.strict
+
+
+def test_ledgers_name_their_commit(results_tmp, monkeypatch):
+    monkeypatch.setenv("COURSE_COMMIT", "abc123")
+    led = utils.Ledger("00-x/01_y", smoke=True, env={"device_name": "CPU"})
+    assert led.commit == "abc123"
+    assert utils.Ledger.from_dict(led.to_dict()).commit == "abc123"
+    old = led.to_dict()
+    del old["commit"], old["shared_jobs"]           # a ledger from before these fields
+    back = utils.Ledger.from_dict(old)
+    assert back.commit == "" and back.shared_jobs == 1

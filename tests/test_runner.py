@@ -156,3 +156,46 @@ def test_widget_cells_never_wait_for_the_timeout(tmp_path, loaded_machine):
         # without a mimicked Output widget, the callback's print is ordinary cell output
         widget_cell = executed.cells[1]
         assert any("report 64 1024" in o.get("text", "") for o in widget_cell.outputs)
+
+
+# ---- several notebooks at once -------------------------------------------------------------
+
+STAMP = """import os, time, json, pathlib
+start = time.time()
+time.sleep(3)
+pathlib.Path(os.environ["STAMP_DIR"], pathlib.Path.cwd().name + "-{name}.json").write_text(
+    json.dumps({{"start": start, "end": time.time(),
+                "shared": os.environ.get("COURSE_SHARED_JOBS")}}))"""
+
+
+def test_jobs_run_notebooks_side_by_side_and_tell_them(tmp_path, monkeypatch, capsys):
+    stamps = tmp_path / "stamps"
+    stamps.mkdir()
+    monkeypatch.setenv("STAMP_DIR", str(stamps))
+    a = write_notebook(tmp_path / "01_a.ipynb", STAMP.format(name="a"))
+    b = write_notebook(tmp_path / "02_b.ipynb", STAMP.format(name="b"))
+    c = write_notebook(tmp_path / "03_c.ipynb", "raise ValueError('c fails')")
+    runs = run_notebooks([a, b, c], out_dir=tmp_path / "out", progress=False, jobs=2)
+    assert [r.status for r in runs] == ["ok", "ok", "failed"]     # in the order given
+    got = {p.stem.split("-")[-1]: json.loads(p.read_text()) for p in stamps.glob("*.json")}
+    assert got["a"]["shared"] == got["b"]["shared"] == "2"
+    assert got["a"]["start"] < got["b"]["end"] and got["b"]["start"] < got["a"]["end"], \
+        "the two notebooks did not overlap"
+    saved = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert saved["jobs"] == 2 and [r["status"] for r in saved["runs"]] == ["ok", "ok", "failed"]
+    out = capsys.readouterr().out
+    assert "not measurements" in out and "03_c.ipynb: FAILED" in out
+
+
+def test_one_job_leaves_the_machine_unshared(tmp_path, monkeypatch):
+    monkeypatch.setenv("COURSE_SHARED_JOBS", "4")   # left over from an outer run
+    nb = write_notebook(tmp_path / "01_env.ipynb",
+                        "import os\nassert 'COURSE_SHARED_JOBS' not in os.environ")
+    assert run_one(nb, tmp_path).status == "ok"
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_bad_job_counts_are_refused(tmp_path, bad):
+    nb = write_notebook(tmp_path / "01_x.ipynb", "x = 1")
+    with pytest.raises(ValueError, match="jobs must be a positive int"):
+        run_notebooks([nb], out_dir=tmp_path, jobs=bad)

@@ -1,7 +1,7 @@
 """``python -m utils``: the course's command line.
 
     python -m utils env                         what this machine is
-    python -m utils run PATH... [--smoke|--full] [--out DIR]
+    python -m utils run PATH... [--smoke|--full] [--out DIR] [--jobs N]
     python -m utils report RESULTS... [--out FILE]
     python -m utils release [PATH...] [--out DIR]   student versions (alias: student)
     python -m utils grade SUBMISSION... [--out DIR] [--timeout S] [--jobs N]
@@ -30,7 +30,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else default_out_dir()
     runs = run_notebooks(args.paths, out_dir=out, smoke=smoke, timeout_s=args.timeout,
                          kernel=args.kernel, log_output=args.log_output,
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, jobs=args.jobs)
     failed = [r for r in runs if r.status != "ok"]
     print(f"\n{len(runs) - len(failed)} of {len(runs)} notebooks ran cleanly.")
     for r in failed:
@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-output", action="store_true",
                    help="stream cell output to this log (useful in sbatch jobs)")
     p.add_argument("--no-progress", action="store_true", help="no per-cell progress bar")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="notebooks run at once, each in its own kernel (default 1). With N > 1 "
+                        "they share the machine: a quick pass over the code paths, not a "
+                        "measurement (the ledgers say so)")
     p.set_defaults(func=_cmd_run)
 
     p = sub.add_parser("report", help="results JSON -> markdown table and plots")

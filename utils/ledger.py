@@ -25,6 +25,8 @@ __all__ = [
     "Ledger",
     "ExpectationNotMet",
     "results_dir",
+    "shared_jobs",
+    "course_commit",
     "MET",
     "NOT_MET",
     "NOT_APPLICABLE",
@@ -33,6 +35,11 @@ __all__ = [
 MET, NOT_MET, NOT_APPLICABLE = "met", "not met", "not applicable"
 RESULTS_ENV_VAR = "COURSE_RESULTS_DIR"
 STRICT_ENV_VAR = "COURSE_STRICT"
+#: Set by ``python -m utils run --jobs N`` (N > 1) for the notebooks it runs side by side:
+#: they share the machine, so their times are not measurements. The ledger records it.
+SHARED_ENV_VAR = "COURSE_SHARED_JOBS"
+#: The course's commit, for a ledger written outside a git checkout (else read from git).
+COMMIT_ENV_VAR = "COURSE_COMMIT"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCHEMA_VERSION = 1
 
@@ -74,13 +81,44 @@ class Expectation:
         return text + (f" - {self.reason}" if self.reason else "")
 
 
+def shared_jobs() -> int:
+    """How many notebooks share this machine with this one (1: it has the machine to itself),
+    from ``COURSE_SHARED_JOBS``, which ``python -m utils run --jobs N`` sets."""
+    raw = os.environ.get(SHARED_ENV_VAR, "").strip()
+    try:
+        return max(1, int(raw)) if raw else 1
+    except ValueError:
+        return 1
+
+
+def course_commit() -> str:
+    """The course's git commit (12 hex digits, ``+dirty`` when tracked files changed), or
+    ``$COURSE_COMMIT``, or ``""`` outside a git checkout."""
+    if os.environ.get(COMMIT_ENV_VAR):
+        return os.environ[COMMIT_ENV_VAR].strip()
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short=12", "HEAD"],
+                              capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return ""
+        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "diff", "--quiet", "HEAD", "--"],
+                               capture_output=True, timeout=10).returncode != 0
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
 def _strict_default(smoke: bool) -> bool:
     word = os.environ.get(STRICT_ENV_VAR, "").strip().lower()
     if word in {"1", "true", "yes", "on"}:
         return True
     if word in {"0", "false", "no", "off"}:
         return False
-    return not smoke
+    # Side by side with other notebooks a timing claim can miss for want of the machine:
+    # report it, do not fail on it (COURSE_STRICT=1 still asks for failing).
+    return not smoke and shared_jobs() == 1
 
 
 class Ledger:
@@ -109,6 +147,8 @@ class Ledger:
         self.strict = _strict_default(self.smoke) if strict is None else strict
         self.autosave = autosave
         self.created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        self.shared_jobs = shared_jobs()   # > 1: other notebooks ran at the same time
+        self.commit = course_commit()
         self.measurements: dict[str, Measurement] = {}
         self.expectations: dict[str, Expectation] = {}
 
@@ -187,6 +227,8 @@ class Ledger:
             "smoke": self.smoke,
             "strict": self.strict,
             "created": self.created,
+            "commit": self.commit,
+            "shared_jobs": self.shared_jobs,
             "env": self.env,
             "measurements": [asdict(m) for m in self.measurements.values()],
             "expectations": [asdict(e) for e in self.expectations.values()],
@@ -198,6 +240,9 @@ class Ledger:
             raise ValueError(f"unknown ledger schema {data.get('schema')!r}")
         led = cls(data["notebook"], data["smoke"], env=data["env"], strict=data["strict"])
         led.created = data["created"]
+        # Fields added later: a ledger written before them ran alone, at an unrecorded commit.
+        led.commit = data.get("commit", "")
+        led.shared_jobs = int(data.get("shared_jobs", 1))
         for m in data["measurements"]:
             led.measurements[m["name"]] = Measurement(**m)
         for e in data["expectations"]:
@@ -224,8 +269,17 @@ class Ledger:
         tmp.replace(p)
         return p
 
+    @property
+    def shared(self) -> bool:
+        """Whether other notebooks ran beside this one (its times are then not measurements)."""
+        return self.shared_jobs > 1
+
     def to_markdown(self) -> str:
-        lines = ["| measurement | value | unit |", "|---|---:|---|"]
+        lines = []
+        if self.shared:
+            lines += [f"_{self.shared_jobs} notebooks ran at once on this machine: the times and "
+                      "speedups below are not measurements._", ""]
+        lines += ["| measurement | value | unit |", "|---|---:|---|"]
         lines += [f"| {m.name} | {m.value:.4g} | {m.unit} |" for m in self.measurements.values()]
         if self.expectations:
             lines += ["", "| expectation | measured | expected | status |", "|---|---:|---|---|"]
@@ -250,6 +304,9 @@ class Ledger:
               f"{self.env.get('device_name', '?')}).")
         print(f"expectations: {counts[MET]} met, {counts[NOT_MET]} not met, "
               f"{counts[NOT_APPLICABLE]} not applicable here")
+        if self.shared:
+            print(f"({self.shared_jobs} notebooks ran at once on this machine: times and speedups "
+                  "are not measurements, and a missed timing claim says nothing)")
         for e in self.expectations.values():
             print("  " + e.line())
         missed = [e for e in self.expectations.values() if e.status == NOT_MET]

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .env import SMOKE_ENV_VAR
-from .ledger import REPO_ROOT, RESULTS_ENV_VAR
+from .ledger import REPO_ROOT, RESULTS_ENV_VAR, SHARED_ENV_VAR
 
 __all__ = [
     "DEFAULT_CELL_TIMEOUT_S",
@@ -319,6 +319,58 @@ def _check_notebook(path: Path) -> str:
     return ""
 
 
+def _run_one(nb: Path, out: Path, params: dict[str, Any], kernel: str, timeout_s: int | None,
+             start_timeout_s: int, progress: bool, log_output: bool) -> NotebookRun:
+    """Execute one notebook into ``out`` (in this process); never raises for the notebook's
+    own failure, which the returned :class:`NotebookRun` describes."""
+    import nbformat
+    import papermill as pm
+
+    name = str(_relative_name(nb))
+    problem = _check_notebook(nb)
+    if problem:
+        return NotebookRun(name, "", "malformed", 0.0, problem,
+                           f"not a valid notebook ({problem}); nothing was executed")
+    _make_engine()
+    if log_output:
+        _stream_papermill_log()
+    target = out / _relative_name(nb)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    error = ""
+    try:
+        pm.execute_notebook(
+            str(nb), str(target), parameters=params, kernel_name=kernel,
+            cwd=str(nb.parent), execution_timeout=timeout_s,
+            start_timeout=start_timeout_s, engine_name=ENGINE_NAME,
+            progress_bar=progress, log_output=log_output,
+        )
+    except Exception as exc:  # noqa: BLE001 - any failure is reported, the rest run on
+        error = f"{type(exc).__name__}: {exc}".strip() or type(exc).__name__
+    seconds = time.perf_counter() - t0
+    summary, cell = "", None
+    if error:
+        if target.exists():
+            summary, cell = summarize_failure(nbformat.read(target, as_version=4))
+        summary = summary or _first_line(error)
+    return NotebookRun(name, str(target) if target.exists() else "",
+                       "failed" if error else "ok", round(seconds, 2),
+                       error[-4000:], summary, cell)
+
+
+def _worker_env(env: dict[str, str]) -> None:
+    """A pool worker's environment: the kernels it starts inherit it."""
+    os.environ.update(env)
+
+
+def _report_end(run: NotebookRun, jobs: int) -> None:
+    who = f"{run.notebook}: " if jobs > 1 else "    "
+    if run.status == "ok":
+        print(f"{who}ok in {run.seconds:.1f} s -> {run.executed}", flush=True)
+    else:
+        print(f"{who}{run.status.upper()}: {run.summary}", flush=True)
+
+
 def run_notebooks(
     paths: Sequence[str | os.PathLike],
     out_dir: str | os.PathLike | None = None,
@@ -328,6 +380,7 @@ def run_notebooks(
     log_output: bool = False,
     progress: bool = True,
     start_timeout_s: int = 120,
+    jobs: int = 1,
 ) -> list[NotebookRun]:
     """Execute notebooks with papermill; returns one :class:`NotebookRun` each.
 
@@ -341,75 +394,78 @@ def run_notebooks(
             batch job should always have one).
         kernel: the Jupyter kernel name.
         log_output: stream cell output to this process's log (for batch jobs).
-        progress: show papermill's per-cell progress bar.
+        progress: show papermill's per-cell progress bar (off when ``jobs > 1``).
         start_timeout_s: how long a kernel may take to start.
+        jobs: notebooks run at once, each in its own kernel (and its own worker process).
+            With more than one, the notebooks share the machine: the runner says so to each
+            (``COURSE_SHARED_JOBS``), their ledgers record it, and their timings are not
+            measurements (see :mod:`utils.ledger`).
 
     Raises:
-        ValueError: a non-positive timeout.
+        ValueError: a non-positive timeout or job count.
         FileNotFoundError: a path that does not exist.
     """
-    import nbformat
-    import papermill as pm
-
     if timeout_s is not None and timeout_s <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout_s}")
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be a positive int (notebooks run at once), got {jobs!r}")
     notebooks = find_notebooks(paths)
-    _make_engine()
-    if log_output:
-        _stream_papermill_log()
+    jobs = min(jobs, len(notebooks))
     out = Path(out_dir) if out_dir is not None else default_out_dir()
     out.mkdir(parents=True, exist_ok=True)
     results = out / "results"
     params = {} if smoke is None else {"SMOKE": bool(smoke)}
-    saved_env = {k: os.environ.get(k) for k in (RESULTS_ENV_VAR, SMOKE_ENV_VAR)}
-    os.environ[RESULTS_ENV_VAR] = str(results.resolve())
+    env = {RESULTS_ENV_VAR: str(results.resolve())}
     if smoke is not None:
-        os.environ[SMOKE_ENV_VAR] = "1" if smoke else "0"
-    runs: list[NotebookRun] = []
+        env[SMOKE_ENV_VAR] = "1" if smoke else "0"
+    if jobs > 1:
+        env[SHARED_ENV_VAR] = str(jobs)
+    saved_env = {k: os.environ.get(k) for k in (RESULTS_ENV_VAR, SMOKE_ENV_VAR, SHARED_ENV_VAR)}
+    os.environ.update(env)
+    if jobs == 1:
+        os.environ.pop(SHARED_ENV_VAR, None)  # one at a time: the machine is this run's
+    done: dict[int, NotebookRun] = {}
+
+    def write_summary() -> None:
+        (out / "run.json").write_text(json.dumps({
+            "smoke": smoke, "timeout_s": timeout_s, "results_dir": str(results), "jobs": jobs,
+            "runs": [asdict(done[i]) for i in sorted(done)],
+        }, indent=2), encoding="utf-8")
+
     try:
-        for nb in notebooks:
-            name = str(_relative_name(nb))
-            print(f"==> {name}", flush=True)
-            problem = _check_notebook(nb)
-            if problem:
-                run = NotebookRun(name, "", "malformed", 0.0, problem,
-                                  f"not a valid notebook ({problem}); nothing was executed")
-            else:
-                target = out / _relative_name(nb)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                t0 = time.perf_counter()
-                error = ""
-                try:
-                    pm.execute_notebook(
-                        str(nb), str(target), parameters=params, kernel_name=kernel,
-                        cwd=str(nb.parent), execution_timeout=timeout_s,
-                        start_timeout=start_timeout_s, engine_name=ENGINE_NAME,
-                        progress_bar=progress, log_output=log_output,
-                    )
-                except Exception as exc:  # noqa: BLE001 - any failure is reported, the rest run on
-                    error = f"{type(exc).__name__}: {exc}".strip() or type(exc).__name__
-                seconds = time.perf_counter() - t0
-                summary, cell = "", None
-                if error:
-                    if target.exists():
-                        summary, cell = summarize_failure(nbformat.read(target, as_version=4))
-                    summary = summary or _first_line(error)
-                run = NotebookRun(name, str(target) if target.exists() else "",
-                                  "failed" if error else "ok", round(seconds, 2),
-                                  error[-4000:], summary, cell)
-            runs.append(run)
-            if run.status == "ok":
-                print(f"    ok in {run.seconds:.1f} s -> {run.executed}", flush=True)
-            else:
-                print(f"    {run.status.upper()}: {run.summary}", flush=True)
-            (out / "run.json").write_text(json.dumps({
-                "smoke": smoke, "timeout_s": timeout_s, "results_dir": str(results),
-                "runs": [asdict(r) for r in runs],
-            }, indent=2), encoding="utf-8")
+        if jobs == 1:
+            for i, nb in enumerate(notebooks):
+                print(f"==> {_relative_name(nb)}", flush=True)
+                done[i] = _run_one(nb, out, params, kernel, timeout_s, start_timeout_s,
+                                   progress, log_output)
+                _report_end(done[i], jobs)
+                write_summary()
+        else:
+            import concurrent.futures as cf
+            import multiprocessing
+
+            print(f"running {len(notebooks)} notebooks, {jobs} at a time (timings from this run "
+                  "are not measurements: the notebooks share the machine)", flush=True)
+            ctx = multiprocessing.get_context("spawn")
+            with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx,
+                                        initializer=_worker_env, initargs=(env,)) as pool:
+                futures = {pool.submit(_run_one, nb, out, params, kernel, timeout_s,
+                                       start_timeout_s, False, log_output): i
+                           for i, nb in enumerate(notebooks)}
+                for fut in cf.as_completed(futures):
+                    i = futures[fut]
+                    try:
+                        done[i] = fut.result()
+                    except Exception as exc:  # noqa: BLE001 - a worker that died
+                        done[i] = NotebookRun(str(_relative_name(notebooks[i])), "", "failed",
+                                              0.0, f"{type(exc).__name__}: {exc}",
+                                              f"the runner's worker failed: {type(exc).__name__}")
+                    _report_end(done[i], jobs)
+                    write_summary()
     finally:
         for k, v in saved_env.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    return runs
+    return [done[i] for i in sorted(done)]
