@@ -117,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=str(utils.results_dir() / "capstone_gpt.pt"),
                    help="checkpoint written atomically at the end (default: capstone_gpt.pt in "
                         "the course's results folder, results/local/ or $COURSE_RESULTS_DIR)")
+    p.add_argument("--results", default=None, metavar="PATH",
+                   help="where to write this run's figures as a ledger (JSON, what "
+                        "`python -m utils report` reads; default: 06-capstone__train.json in "
+                        "the course's results folder); 'none' writes none")
     p.add_argument("--timeout-s", type=float, default=300,
                    help="under torchrun: how long a collective may wait for its peers "
                         "(default: 300)")
@@ -242,7 +246,7 @@ def train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
                 backend="nccl" if device_type == "cuda" else "gloo", timeout_s=args.timeout_s))
             rank, device = w.rank, w.device
         else:
-            rank, device = 0, torch.device("cuda" if device_type == "cuda" else "cpu")
+            rank, device = 0, utils.pick_device(device_type)  # cuda:<current>, never index-less
         return _train(args, sizes, cfg, rung_name, preset, rank, world, device, notes)
 
 
@@ -356,12 +360,52 @@ def _train(args, sizes, cfg, rung_name, preset, rank, world, device, notes=()) -
         say(f"checkpoint: {path} ({path.stat().st_size / 2**20:.1f} MiB, written atomically)")
     say(f"done: final loss {loss:.4f}, {result['tokens_per_s']:,.0f} tokens/s, MFU {mfu:.1%}, "
         f"{result['wall_s']:.1f} s in all")
+    report = None
     if speeds:
         step_s = tokens_per_step / speeds[-1]
         report = utils.mfu_report(flops, step_s, ceiling, kind, device)
         say(f"MFU per process, last window: {report}")
+    if main and (args.results or "").lower() != "none":
+        path = write_ledger(args, result, report, first_s=first_s, flops=flops, ceiling=ceiling,
+                            kind=kind, rung_name=rung_name, cfg=cfg, preset=preset, vocab=vocab,
+                            tokens_per_step=tokens_per_step, device=device)
+        say(f"figures: {path} (a ledger; `python -m utils report {path.parent}` renders it)")
     del trainer
     return result
+
+
+def write_ledger(args, result, report, *, first_s, flops, ceiling, kind, rung_name, cfg, preset,
+                 vocab, tokens_per_step, device) -> Path:
+    """This run's figures as a course ledger, so that no figure of it is typed in by hand."""
+    ledger = utils.Ledger("06-capstone/train", smoke=preset == "tiny", env=utils.get_env(device),
+                          strict=False)
+    flags = " ".join(cfg.to_flags())
+
+    def record(name, value, unit, note=""):
+        if value is not None and math.isfinite(value):  # a run too short to time has no rate
+            ledger.record(name, value, unit, note=note)
+
+    record("tokens_per_s", result["tokens_per_s"], "tokens/s",
+           note=f"{rung_name}: {flags}; the last {args.log_every}-step window, all processes")
+    record("final_loss", result["final_loss"], "")
+    record("first_step_s", first_s, "s", note="compilation and warm-up, not in the rates")
+    record("flops_per_step", flops, "FLOP",
+           note="per process, counted once (utils.ladder.count_step_flops)")
+    record("tokens_per_step", tokens_per_step, "tokens")
+    record("vocab_size", vocab, "tokens")
+    record("world_size", result["world_size"], "processes")
+    record("measured_ceiling_tflops", ceiling, "TFLOP/s", note=f"{kind} matmul, this machine")
+    if report is not None:
+        record("model_tflops", report.achieved_tflops, "TFLOP/s", note="per process")
+        record("mfu_vs_measured_ceiling", report.vs_measured, "fraction",
+               note=f"of the {kind} matmul ceiling measured here")
+        if report.vs_datasheet is not None:
+            record("mfu_vs_datasheet", report.vs_datasheet, "fraction",
+                   note=f"of {report.datasheet_peak_tflops:g} TFLOP/s dense {kind} "
+                        f"({report.device_name})")
+    path = Path(args.results) if args.results else \
+        utils.results_dir() / "06-capstone__train.json"
+    return ledger.save(path)
 
 
 def main(argv: list[str] | None = None) -> int:

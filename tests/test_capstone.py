@@ -119,8 +119,16 @@ def test_a_bad_flag_in_a_real_process_exits_2_without_a_traceback():
 
 def test_smoke_run_prints_progress_and_writes_an_atomic_checkpoint(tmp_path):
     out = tmp_path / "ck" / "gpt.pt"
-    r = _train(*SMALL, "--steps", "6", "--log-every", "3", "--out", str(out))
+    figures = tmp_path / "figures" / "train.json"
+    r = _train(*SMALL, "--steps", "6", "--log-every", "3", "--out", str(out),
+               "--results", str(figures))
     assert r.returncode == 0, r.stderr[-3000:]
+    # the figures it printed, as a ledger: nothing about a run is copied by hand
+    led = utils.Ledger.load(figures)
+    assert led.notebook == "06-capstone/train" and led["world_size"] == 1
+    assert led["tokens_per_s"] > 0 and led["flops_per_step"] > 0 and led["vocab_size"] == 457
+    assert f"{led['tokens_per_s']:,.0f} tokens/s" in r.stdout
+    assert "vocab padded to 128" in led.measurements["tokens_per_s"].note
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("step ")]
     assert len(lines) == 2 and all("tokens/s" in ln and "MFU" in ln for ln in lines), r.stdout
     assert "measured on this machine" in r.stdout and "checkpoint:" in r.stdout

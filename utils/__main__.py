@@ -45,7 +45,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     from .report import write_report
 
-    path = write_report(args.paths, out=args.out, plots=not args.no_plots)
+    path = write_report(args.paths, out=args.out, plots=not args.no_plots, figures=args.figures)
     print(path.read_text(encoding="utf-8"))
     print(f"written to {path}")
     return 0
@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="+", help="ledger JSON files or folders holding them")
     p.add_argument("--out", default=None, help="markdown file to write (default: beside the results)")
     p.add_argument("--no-plots", action="store_true", help="tables only")
+    p.add_argument("--figures", default=None, metavar="DIR",
+                   help="folder for the plots (default: beside the markdown file); the plots are "
+                        "then named by notebook, device and date")
     p.set_defaults(func=_cmd_report)
 
     p = sub.add_parser("release", aliases=["student"],

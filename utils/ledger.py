@@ -81,6 +81,13 @@ class Expectation:
         return text + (f" - {self.reason}" if self.reason else "")
 
 
+def _number(value: float) -> str:
+    """A value for a table: thousands separated when large, four significant digits else."""
+    if 1e4 <= abs(value) < 1e15:
+        return f"{value:,.0f}"
+    return f"{value:.4g}"
+
+
 def shared_jobs() -> int:
     """How many notebooks share this machine with this one (1: it has the machine to itself),
     from ``COURSE_SHARED_JOBS``, which ``python -m utils run --jobs N`` sets."""
@@ -275,20 +282,23 @@ class Ledger:
         return self.shared_jobs > 1
 
     def to_markdown(self) -> str:
+        """The claims (threshold, value, verdict), then every measurement, as markdown tables."""
         lines = []
         if self.shared:
             lines += [f"_{self.shared_jobs} notebooks ran at once on this machine: the times and "
                       "speedups below are not measurements._", ""]
-        lines += ["| measurement | value | unit |", "|---|---:|---|"]
-        lines += [f"| {m.name} | {m.value:.4g} | {m.unit} |" for m in self.measurements.values()]
         if self.expectations:
-            lines += ["", "| expectation | measured | expected | status |", "|---|---:|---|---|"]
+            lines += ["| claim | measured | expected | verdict |", "|---|---:|---|---|"]
             lines += [
                 f"| {e.description} | {'-' if e.value is None else format(e.value, '.3g')} "
                 f"| {e.op} {e.threshold:g} | {e.status}"
                 + (f" ({e.reason})" if e.reason else "") + " |"
                 for e in self.expectations.values()
             ]
+            lines.append("")
+        lines += ["| measurement | value | unit |", "|---|---:|---|"]
+        lines += [f"| {m.name} | {_number(m.value)} | {m.unit} |"
+                  for m in self.measurements.values()]
         return "\n".join(lines)
 
     def finish(self) -> Path:
