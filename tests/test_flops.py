@@ -100,3 +100,57 @@ def test_ceiling_sizes_grow_for_gpus_and_two_byte_dtypes():
     assert _default_sizes(torch.device("cpu"), torch.float32) == (2048,)
     c = utils.measure_ceilings("cpu", smoke=True)
     assert c.matmul_size == 1024
+
+
+# -- GPT FLOPs by formula ----------------------------------------------------------------------
+
+def test_gpt_flops_counts_gpt2_small_by_hand():
+    cfg = utils.GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+    f = utils.flops.gpt_flops(cfg)
+    # GPT-2 small has 124,439,808 parameters, 786,432 of them position embeddings.
+    assert f.n_params == 124_439_808 - 1024 * 768
+    assert f.n_params + 1024 * 768 == utils.count_parameters(_meta_gpt(cfg))
+    assert f.per_token("6N") == 6 * f.n_params
+    assert f.per_token("6N+attn") == 6 * f.n_params + 12 * 12 * 768 * 1024
+    assert f.per_token("6N+causal") == 6 * f.n_params + 6 * 12 * 768 * 1024
+    # the padded head is hardware work, not model work
+    padded = utils.flops.gpt_flops(cfg, padded_vocab=50304)
+    assert padded.per_token("6N+attn") == f.per_token("6N+attn")
+    assert padded.hardware_per_token() - f.hardware_per_token() == 6 * (50304 - 50257) * 768
+    assert f.hardware_per_token(causal_kernel=False) == f.per_token("6N+attn")
+    assert f.hardware_per_token(attention_recompute=True) == \
+        f.hardware_per_token() + 2 * 12 * 768 * 1024 / 2
+    assert f.hardware_per_token(full_recompute=True) == pytest.approx(
+        f.hardware_per_token() + 2 * f.n_params + 4 * 12 * 768 * 1024 / 2)
+
+
+def _meta_gpt(cfg):
+    with torch.device("meta"):
+        return utils.TinyGPT(cfg)
+
+
+def test_gpt_flops_agree_with_the_counted_matmuls():
+    # torch's FLOP counter counts matmuls only: the formula's N also holds biases and norms,
+    # which do no matmul; take them out. TinyGPT's fused attention (SDPA) recomputes the
+    # scores in its backward, and the counter counts that matmul too: it counts hardware
+    # FLOPs, the formula's attention_recompute. Then the two agree exactly.
+    cfg = utils.GPTConfig(vocab_size=300, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    f = utils.flops.gpt_flops(cfg)
+    model = utils.TinyGPT(cfg)
+    x = torch.randint(0, 300, (3, 32))
+    counted = utils.count_flops(lambda: torch.nn.functional.cross_entropy(
+        model(x).flatten(0, 1), x.flatten()).backward()).total_flops
+    d, layers = 32, 2
+    not_matmul = layers * (2 * d + 3 * d + d + 2 * d + 4 * d + d) + 2 * d   # biases and norms
+    per_token = f.hardware_per_token(causal_kernel=False, attention_recompute=True) \
+        - 6 * not_matmul
+    assert counted == 3 * 32 * per_token
+
+
+@pytest.mark.parametrize("bad", [dict(seq_len=0), dict(seq_len=33), dict(padded_vocab=10)])
+def test_gpt_flops_rejects_bad_sizes(bad):
+    cfg = utils.GPTConfig(vocab_size=300, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    with pytest.raises(ValueError):
+        utils.flops.gpt_flops(cfg, **bad)
+    with pytest.raises(ValueError, match="unknown convention"):
+        utils.flops.gpt_flops(cfg).per_token("7N")

@@ -38,6 +38,9 @@ __all__ = [
     "datasheet_peak_tflops",
     "DATASHEET_TFLOPS",
     "plot_roofline",
+    "GPT_FLOP_CONVENTIONS",
+    "GPTFlops",
+    "gpt_flops",
 ]
 
 
@@ -387,3 +390,112 @@ def plot_roofline(
     ax.set_title(title or f"Roofline on {ceilings.device} ({ceilings.dtype})")
     ax.legend(loc="lower right")
     return ax
+
+
+# -- a GPT's FLOPs by formula: the conventions MFU figures are quoted in -------------------------
+
+#: The conventions a GPT's "model FLOPs" are quoted in, per token of a training step.
+GPT_FLOP_CONVENTIONS = {
+    "6N": "6 x N: forward and backward matmuls of the parameters, no attention scores",
+    "6N+attn": "6 x N + 12 x L x d x T: with the full T x T attention matmuls (nanoGPT, PaLM)",
+    "6N+causal": "6 x N + 6 x L x d x T: attention counted causally, half of T x T (llm.c)",
+}
+
+
+@dataclass(frozen=True)
+class GPTFlops:
+    """FLOPs per token of one training step (forward and backward) of a GPT, by formula.
+
+    Attributes:
+        n_params: N, every parameter but the position embeddings (with a tied head the token
+            embedding counts once: the head's matmul uses it, the lookup does no arithmetic).
+        n_layer, n_embd, seq_len: L, d, T.
+        vocab_size: the real vocabulary (model FLOPs count only its rows).
+        padded_vocab: the vocabulary the head's matmul really computes (padded rows are
+            hardware FLOPs, never model FLOPs).
+    """
+
+    n_params: int
+    n_layer: int
+    n_embd: int
+    seq_len: int
+    vocab_size: int
+    padded_vocab: int
+
+    @property
+    def attention_full(self) -> float:
+        """The attention matmuls (Q K^T and the weighted sum of V) over the full T x T square,
+        forward and backward: 12 L d T per token."""
+        return 12.0 * self.n_layer * self.n_embd * self.seq_len
+
+    @property
+    def attention_causal(self) -> float:
+        """The same over the causal half (what a causal kernel needs): 6 L d T per token."""
+        return self.attention_full / 2
+
+    def per_token(self, convention: str = "6N+attn") -> float:
+        """Model FLOPs per token in one of :data:`GPT_FLOP_CONVENTIONS`.
+
+        Raises:
+            ValueError: an unknown convention.
+        """
+        base = 6.0 * self.n_params
+        if convention == "6N":
+            return base
+        if convention == "6N+attn":
+            return base + self.attention_full
+        if convention == "6N+causal":
+            return base + self.attention_causal
+        raise ValueError(f"unknown convention {convention!r}: one of "
+                         f"{', '.join(GPT_FLOP_CONVENTIONS)}")
+
+    def hardware_per_token(self, *, causal_kernel: bool = True, attention_recompute: bool = False,
+                           full_recompute: bool = False) -> float:
+        """FLOPs the hardware executes per token, which MFU does not credit.
+
+        Args:
+            causal_kernel: the attention kernel skips the masked half (flash-style kernels do;
+                a dense masked matmul does not).
+            attention_recompute: the backward pass recomputes the attention scores (Q K^T) instead
+                of reading them (FlashAttention does): one more score matmul.
+            full_recompute: activation checkpointing re-runs every block's forward in backward.
+        """
+        attn = self.attention_causal if causal_kernel else self.attention_full
+        head_pad = 6.0 * (self.padded_vocab - self.vocab_size) * self.n_embd
+        total = 6.0 * self.n_params + attn + head_pad
+        if attention_recompute:
+            total += attn / 6  # the forward score matmul (2 L d T of the 12 L d T) once more
+        if full_recompute:
+            total += (2.0 * self.n_params + attn / 3)  # one more forward, attention included
+        return total
+
+    def __str__(self) -> str:
+        return (f"N = {self.n_params / 1e6:.1f} M, L = {self.n_layer}, d = {self.n_embd}, "
+                f"T = {self.seq_len}: " + ", ".join(
+                    f"{c} {self.per_token(c) / 1e9:.3f} GFLOP/token" for c in GPT_FLOP_CONVENTIONS))
+
+
+def gpt_flops(cfg: Any, seq_len: int | None = None, padded_vocab: int | None = None) -> GPTFlops:
+    """:class:`GPTFlops` of a :class:`utils.TinyGPT` configuration (GPT-2's layout: tied head,
+    learned position embeddings, biases and LayerNorms, a 4x MLP).
+
+    Args:
+        cfg: a :class:`utils.GPTConfig`.
+        seq_len: tokens per sequence (default: ``cfg.block_size``).
+        padded_vocab: the head's rows as computed (default: ``cfg.vocab_size``).
+
+    Raises:
+        ValueError: a sequence longer than the context, or a padded vocabulary below the real one.
+    """
+    t = cfg.block_size if seq_len is None else seq_len
+    if not isinstance(t, int) or not 1 <= t <= cfg.block_size:
+        raise ValueError(f"seq_len must be an int in [1, {cfg.block_size}], got {t!r}")
+    pv = cfg.vocab_size if padded_vocab is None else padded_vocab
+    if not isinstance(pv, int) or pv < cfg.vocab_size:
+        raise ValueError(f"padded_vocab ({pv!r}) must be an int >= vocab_size ({cfg.vocab_size})")
+    d, layers, v = cfg.n_embd, cfg.n_layer, cfg.vocab_size
+    per_layer = (2 * d) + (d * 3 * d + 3 * d) + (d * d + d) + (2 * d) \
+        + (d * 4 * d + 4 * d) + (4 * d * d + d)
+    n = v * d + layers * per_layer + 2 * d   # token embedding (= the head), blocks, final norm
+    return GPTFlops(n_params=n, n_layer=layers, n_embd=d, seq_len=t, vocab_size=v,
+                    padded_vocab=pv)
