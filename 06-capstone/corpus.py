@@ -181,12 +181,56 @@ class Corpus:
         if seq_len + 1 >= n:
             raise ValueError(f"seq_len {seq_len} needs more than {n} tokens: build the corpus "
                              "from more text")
-        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-        starts = torch.randint(n - seq_len - 1, (batch_size,), generator=g)
+        starts = self.starts(step, batch_size, seq_len, seed)
         windows = self.tokens[starts[:, None] + torch.arange(seq_len + 1)].long()
         fresh = torch.contiguous_format
         return (windows[:, :-1].clone(memory_format=fresh).to(device),
                 windows[:, 1:].clone(memory_format=fresh).to(device))
+
+    def starts(self, step: int, batch_size: int, seq_len: int, seed: int = 0) -> torch.Tensor:
+        """Where step ``step``'s windows start in the stream (int64, on the CPU)."""
+        n = self.tokens.numel()
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        return torch.randint(n - seq_len - 1, (batch_size,), generator=g)
+
+    def on_device(self, device: str | torch.device, steps: int, batch_size: int, seq_len: int,
+                  seed: int = 0) -> "DeviceBatches":
+        """The batches of steps ``0 .. steps - 1``, cut on ``device`` with no copy per step.
+
+        The token stream and every step's window starts go to the device once, here; a step's
+        batch is then an indexing on the device. :meth:`batch` copies each batch from the host
+        instead, and on a GPU the training loop waits for that copy every step.
+        """
+        _positive("steps", steps)
+        _positive("batch_size", batch_size)
+        _positive("seq_len", seq_len)
+        if seq_len + 1 >= self.tokens.numel():
+            raise ValueError(f"seq_len {seq_len} needs more than {self.tokens.numel()} tokens")
+        dev = torch.device(device)
+        starts = torch.stack([self.starts(s, batch_size, seq_len, seed) for s in range(steps)])
+        return DeviceBatches(self.tokens.to(dev), starts.to(dev),
+                             torch.arange(seq_len + 1, device=dev))
+
+
+@dataclass(frozen=True)
+class DeviceBatches:
+    """Batches cut from a token stream that lives on the device (:meth:`Corpus.on_device`).
+
+    ``batches(step)`` gives the same ``(inputs, targets)`` as ``corpus.batch(step, ...)``,
+    with no host-to-device copy.
+    """
+
+    tokens: torch.Tensor   # the stream, on the device
+    starts: torch.Tensor   # (steps, batch_size) window starts, on the device
+    offsets: torch.Tensor  # 0 .. seq_len, on the device
+
+    def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= step < self.starts.shape[0]:
+            raise IndexError(f"step {step} is outside the {self.starts.shape[0]} steps prepared")
+        windows = self.tokens[self.starts[step][:, None] + self.offsets].long()
+        fresh = torch.contiguous_format
+        return (windows[:, :-1].clone(memory_format=fresh),
+                windows[:, 1:].clone(memory_format=fresh))
 
 
 def build_corpus(max_chars: int, n_words: int, seed: int = 0) -> Corpus:

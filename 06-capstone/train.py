@@ -264,10 +264,14 @@ def _train(args, sizes, cfg, rung_name, preset, rank, world, device, notes=()) -
     per_rank = sizes["batch_size"] // world
     seq = sizes["block_size"]
 
+    # The token stream and every step's window starts go to the device once: a step's batch is
+    # then cut on the device, with no host-to-device copy for the training loop to wait on.
+    batches = data.on_device(device, args.steps, sizes["batch_size"], seq, seed=args.seed)
+    rows = slice(rank * per_rank, (rank + 1) * per_rank)
+
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = data.batch(step, sizes["batch_size"], seq, seed=args.seed)
-        rows = slice(rank * per_rank, (rank + 1) * per_rank)
-        return x[rows].to(device), y[rows].to(device)
+        x, y = batches(step)
+        return x[rows], y[rows]
 
     model_fn = ladder.gpt_model_fn(gpt_cfg, seed=args.seed)
     x0, y0 = batch(0)

@@ -238,3 +238,31 @@ def test_train_py_measures_its_ceiling_with_the_notebooks_routine(tmp_path, monk
     assert calls == [(["bf16"], {"quick": True})], "the notebook's smoke setting for the tiny preset"
     out = capsys.readouterr().out
     assert "MFU per process" in out and "of the bf16 matmul ceiling measured here" in out
+
+
+def test_batches_on_the_device_match_the_host_batches_with_no_copy_per_step():
+    from torch.overrides import TorchFunctionMode
+
+    data = corpus.build_corpus(200_000, 100, seed=0)
+    dev_batches = data.on_device("cpu", steps=4, batch_size=3, seq_len=16, seed=2)
+
+    class Copies(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", str(func))
+            if name in ("to", "cuda", "copy_", "pin_memory"):
+                self.seen.append(name)
+            return func(*args, **(kwargs or {}))
+
+    for step in range(4):
+        with Copies() as copies:
+            x, y = dev_batches(step)
+        assert not copies.seen, f"step {step} copied: {copies.seen}"
+        hx, hy = data.batch(step, 3, 16, seed=2)
+        assert torch.equal(x, hx) and torch.equal(y, hy)
+        assert x.is_contiguous() and y.is_contiguous()
+    with pytest.raises(IndexError, match="outside the 4 steps"):
+        dev_batches(4)

@@ -369,3 +369,20 @@ def test_log_ticks_are_round_and_include_one():
     many = L._log_ticks(0.05, 200)
     assert 1.0 in many and len(many) <= 10 and many == sorted(many)
     assert L._log_ticks(0.97, 1.03) == [1.0]
+
+
+def test_weight_decay_only_on_matrices():
+    model = utils.TinyGPT(utils.GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2,
+                                          n_embd=16))
+    trainer = L.Trainer(model, L.TrainConfig(), device="cpu", weight_decay=0.1)
+    decay, no_decay = trainer.optimizer.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    named = dict(model.named_parameters())
+    assert any(p is named["tok_emb.weight"] for p in decay["params"])      # the tied embedding
+    assert any(p is named["blocks.0.ln1.weight"] for p in no_decay["params"])
+    assert any(p is named["blocks.0.attn.qkv.bias"] for p in no_decay["params"])
+    # every parameter once (the head's weight is the embedding's)
+    assert sum(len(g["params"]) for g in trainer.optimizer.param_groups) == len(named)
+    with pytest.raises(ValueError, match="weight_decay"):
+        L.decay_groups(model, -1.0)

@@ -63,6 +63,7 @@ __all__ = [
     "padded_size",
     "gpt_model_fn",
     "LossModule",
+    "decay_groups",
     "Trainer",
     "count_step_flops",
     "measure_ceilings_tflops",
@@ -448,6 +449,21 @@ class LossModule(nn.Module):
         return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
 
+def decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW's parameter groups as GPT-2's reference recipes make them: weight decay on the
+    matrices (every parameter of two or more dimensions: linear weights, embeddings), none on
+    biases and normalisation weights, which decay would only pull towards zero.
+
+    Raises:
+        ValueError: a negative weight decay.
+    """
+    if not weight_decay >= 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+    params = [p for p in model.parameters() if p.requires_grad]  # a tied weight appears once
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
 class Trainer:
     """A model, its AdamW and the training step a :class:`TrainConfig` describes.
 
@@ -464,7 +480,8 @@ class Trainer:
             (:func:`run_rung` does).
         device: where the model is.
         num_classes: the real number of classes (the unpadded vocabulary).
-        lr, betas, weight_decay: AdamW's settings.
+        lr, betas, weight_decay: AdamW's settings; the decay applies to matrices only
+            (:func:`decay_groups`).
         warmup_steps: linear learning-rate warm-up over this many steps (0: none).
         wrap: applied to the :class:`LossModule` before compiling, e.g.
             ``lambda m: DistributedDataParallel(m, device_ids=[rank])``; a wrapper with
@@ -496,8 +513,8 @@ class Trainer:
         if cfg.compile:
             self.forward = torch.compile(self.loss_module, mode=cfg.compile, dynamic=False)
         extra = {"fused": True} if cfg.fused_adamw else {}
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas,
-                                           weight_decay=weight_decay, **extra)
+        self.optimizer = torch.optim.AdamW(decay_groups(model, weight_decay), lr=lr,
+                                           betas=betas, **extra)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
         self.scaler = (torch.amp.GradScaler(self.device.type) if cfg.amp == "fp16" else None)
