@@ -192,3 +192,10 @@ def test_tolerance_rejects_bad_input(bad):
     kwargs = {"dtype": torch.float32, **bad}
     with pytest.raises(ValueError):
         precision.tolerance(kwargs.pop("dtype"), "cpu", **kwargs)
+
+
+def test_loss_tolerance_by_arithmetic():
+    assert precision.loss_tolerance("fp32") < precision.loss_tolerance("tf32")
+    assert precision.loss_tolerance("bf16") == precision.loss_tolerance("fp16")
+    with pytest.raises(ValueError, match="unknown arithmetic"):
+        precision.loss_tolerance("int8")

@@ -42,7 +42,7 @@ import torch
 __all__ = ["TF32State", "tf32_state", "set_tf32", "tf32", "fp32_matmul_precision",
            "fp32_matmul_precision_state", "matmul_precision_label", "TF32_OVERRIDE_VARS",
            "tf32_overrides", "describe_tf32_overrides", "tf32_in_effect", "Tolerance",
-           "arithmetic", "tolerance", "loosest_tolerance", "UNIT_ROUNDOFF"]
+           "arithmetic", "tolerance", "loosest_tolerance", "UNIT_ROUNDOFF", "loss_tolerance"]
 
 
 def _new_api() -> bool:
@@ -449,3 +449,24 @@ def loosest_tolerance(dtype: torch.dtype = torch.float32, *,
     GPU node with TF32 on as well as on the CPU where CI runs it.
     """
     return tolerance(dtype, "cpu", tf32=True, scale=scale, factor=factor)
+
+
+#: Relative tolerance for a mean loss (a scalar over thousands of tokens) computed twice from
+#: the same weights and batch in the arithmetic named: fp32 only reorders sums; TF32 and the
+#: 16-bit formats round every product, but a mean over many tokens averages those roundings
+#: (elementwise errors of 8 unit roundoffs, see :func:`tolerance`, shrink to about 1e-4 of the
+#: loss). The capstone checks every rung's first loss against fp32 eager's with these.
+_LOSS_RTOL = {"fp64": 1e-12, "fp32": 1e-6, "tf32": 1e-4, "bf16": 1e-4, "fp16": 1e-4}
+
+
+def loss_tolerance(arithmetic_name: str) -> float:
+    """The relative tolerance of a mean loss computed in ``arithmetic_name`` against the same
+    loss in fp32 (``"fp32"``, ``"tf32"``, ``"bf16"``, ``"fp16"`` or ``"fp64"``; see
+    :func:`arithmetic`).
+
+    Raises:
+        ValueError: an unknown arithmetic.
+    """
+    if arithmetic_name not in _LOSS_RTOL:
+        raise ValueError(f"unknown arithmetic {arithmetic_name!r}: one of {', '.join(_LOSS_RTOL)}")
+    return _LOSS_RTOL[arithmetic_name]
