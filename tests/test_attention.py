@@ -45,3 +45,41 @@ def test_bad_arguments():
         utils.sdpa_backend_status(q[0], q[0], q[0])
     with pytest.raises(TypeError):
         utils.sdpa_backend_status(q, "k", q)
+
+
+def test_the_backend_that_ran_is_read_from_the_trace():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from utils.attention import sdpa_backend_used
+
+    q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
+
+    def fwd_bwd():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    with sdpa_kernel([SDPBackend.MATH]):
+        math_run = sdpa_backend_used(fwd_bwd, device="cpu")
+    assert math_run.backend == "MATH" and math_run.device == "cpu"
+    default = sdpa_backend_used(fwd_bwd, device="cpu")
+    assert default.backend == "FLASH_ATTENTION (CPU)", default       # the CPU's fused kernel
+    assert "ran FLASH_ATTENTION (CPU)" in str(default)
+    none = sdpa_backend_used(lambda: q @ k.transpose(-1, -2), device="cpu")
+    assert none.backend == "none" and not none.backends
+
+
+@pytest.mark.parametrize("name, backend", [
+    # names of kernels from the H100 run (03/02, torch 2.11, cuDNN 9.19) and flash's own
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128_4x1x1_kernel0_0",
+     "CUDNN_ATTENTION"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, "
+     "cutlass::bfloat16_t>, true, false, false, false, true, true, false>(pytorch_flash::Flash_fwd_"
+     "params)", "FLASH_ATTENTION"),
+    ("fmha_cutlassF_f32_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<float, "
+     "cutlass::arch::Sm80, true, 64, 64, 64, true, true>::Params)", "EFFICIENT_ATTENTION"),
+    ("cutlassB_f32_aligned_64x64_k32_sm80", None),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", None),
+])
+def test_backend_of_a_kernel_name(name, backend):
+    from utils.attention import backend_of_kernel
+
+    assert backend_of_kernel(name) == backend

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BackendStatus", "sdpa_backends", "sdpa_backend_status"]
+__all__ = ["BackendStatus", "sdpa_backends", "sdpa_backend_status", "SDPA_BACKEND_OPS",
+           "backend_of_kernel", "SDPARun", "sdpa_backend_used"]
 
 # SDPBackend members that are not kernels one can force.
 _NOT_KERNELS = ("ERROR", "OVERRIDEABLE")
@@ -109,3 +110,98 @@ def sdpa_backend_status(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
                 status[name] = BackendStatus(name, False,
                                              _reason(exc, caught, name, query.device))
     return status
+
+
+# -- which backend a call really ran ---------------------------------------------------------
+
+#: The ATen operator each SDPA backend dispatches to (what the profiler records on the CPU side,
+#: eager or compiled): the name says which backend ran, on any device.
+SDPA_BACKEND_OPS = {
+    "aten::_scaled_dot_product_cudnn_attention": "CUDNN_ATTENTION",
+    "aten::_scaled_dot_product_flash_attention": "FLASH_ATTENTION",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "FLASH_ATTENTION (CPU)",
+    "aten::_scaled_dot_product_efficient_attention": "EFFICIENT_ATTENTION",
+    "aten::_scaled_dot_product_attention_math": "MATH",
+    "aten::_scaled_dot_product_fused_attention_overrideable": "OVERRIDEABLE",
+}
+
+
+def backend_of_kernel(name: str) -> str | None:
+    """The SDPA backend a GPU kernel belongs to, from its name, or ``None``.
+
+    For traces with no CPU-side operator to read (a CUDA-graph replay): cuDNN's attention
+    kernels are generated (``cudnn_generated_fort_native_sdpa_sm90_flash_...`` on an H100: the
+    "flash" in it is cuDNN's algorithm, not the FlashAttention backend), FlashAttention's are
+    ``flash_fwd_kernel`` / ``flash_bwd_...``, memory-efficient attention's ``fmha_cutlass...``.
+    """
+    low = name.lower()
+    if "cudnn" in low and ("sdpa" in low or "attention" in low or "fmha" in low):
+        return "CUDNN_ATTENTION"
+    if "fmha_cutlass" in low or "mem_eff" in low or "efficient_attention" in low:
+        return "EFFICIENT_ATTENTION"
+    if "flash_fwd" in low or "flash_bwd" in low or "pytorch_flash" in low:
+        return "FLASH_ATTENTION"
+    return None
+
+
+@dataclass(frozen=True)
+class SDPARun:
+    """The SDPA backend(s) one call ran, read from a profiler trace.
+
+    Attributes:
+        backends: the backends seen, in the order they first ran (forward and backward of one
+            backend count once).
+        kernels: the GPU kernels of those backends (CUDA only), full names.
+        device: where the call ran.
+    """
+
+    backends: tuple[str, ...]
+    kernels: tuple[str, ...]
+    device: str
+
+    @property
+    def backend(self) -> str:
+        """The one backend that ran, ``"none"`` when no SDPA ran, ``"mixed"`` for several."""
+        if not self.backends:
+            return "none"
+        return self.backends[0] if len(self.backends) == 1 else "mixed"
+
+    def __str__(self) -> str:
+        kernels = f" (kernels: {', '.join(sorted(set(self.kernels)))})" if self.kernels else ""
+        return f"SDPA on {self.device} ran {' and '.join(self.backends) or 'no attention'}{kernels}"
+
+
+def sdpa_backend_used(fn: Any, *args: Any, device: str | torch.device | None = None,
+                      **kwargs: Any) -> SDPARun:
+    """Run ``fn(*args, **kwargs)`` once under the profiler and say which SDPA backend(s) ran.
+
+    ``fn`` can be a whole model's forward (or forward and backward): every SDPA call in it is
+    found. Warm it up first if it compiles. The answer comes from the ATen operator each
+    backend dispatches to, so it holds eager and compiled, on a CPU and on a GPU; on a GPU the
+    attention kernels are listed too (and name the backend when no operator was recorded,
+    as in a CUDA-graph replay).
+
+    Raises:
+        TypeError: ``fn`` is not callable.
+    """
+    from .profiling import gpu_kernel_events, profile_calls
+
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    traced = profile_calls(lambda: fn(*args, **kwargs), device=device, calls=1)
+    seen: list[str] = []
+    for e in traced.events:
+        backend = SDPA_BACKEND_OPS.get(e.name)
+        if backend is None and e.name.endswith("_backward"):
+            backend = SDPA_BACKEND_OPS.get(e.name[: -len("_backward")])
+        if backend is not None and backend not in seen:
+            seen.append(backend)
+    kernels = []
+    if traced.device.type == "cuda":
+        for e in gpu_kernel_events(traced.events):
+            backend = backend_of_kernel(e.name)
+            if backend is not None:
+                kernels.append(e.name)
+                if backend not in seen:
+                    seen.append(backend)
+    return SDPARun(tuple(seen), tuple(kernels), str(traced.device))
