@@ -246,6 +246,30 @@ def test_student_names_come_from_folders_and_file_names(tmp_path):
         grading.collect_submissions([])
 
 
+def test_a_class_folder_given_as_one_student_is_refused(tmp_path):
+    """`grade submissions/` instead of `grade submissions/*`: refused, with the right command,
+    never a gradebook with one student called 'submissions'."""
+    nb = nbformat.v4.new_notebook()
+    for student in ("alice", "bob", "carol"):
+        (tmp_path / "submissions" / student).mkdir(parents=True)
+        nbformat.write(nb, tmp_path / "submissions" / student / "01_measuring_performance.ipynb")
+    with pytest.raises(ValueError, match=r"looks like a class.*grade .*submissions/\* --out"):
+        grading.collect_submissions([tmp_path / "submissions"])
+    # the students' folders themselves are fine, and so is one student whose notebooks sit in
+    # module folders (a layout the README allows)
+    assert len(grading.collect_submissions(sorted((tmp_path / "submissions").iterdir()))) == 3
+    for module in ("00-foundations", "02-mixed-precision"):
+        (tmp_path / "dave" / module).mkdir(parents=True)
+        nbformat.write(nb, tmp_path / "dave" / module / "01_measuring_performance.ipynb")
+    assert {s.student for s in grading.collect_submissions([tmp_path / "dave"])} == {"dave"}
+    # the command line says it in one line and exits 2
+    r = subprocess.run([sys.executable, "-m", "utils", "grade", str(tmp_path / "submissions"),
+                        "--out", str(tmp_path / "grades")], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "looks like a class" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "grades" / "gradebook.csv").exists()
+
+
 def test_the_graded_copy_takes_only_the_exercise_cells():
     course = grading._Course(COURSE)
     inst, exercises = course.load(TINY_NAME)

@@ -193,6 +193,34 @@ def _student_of_file(path: Path) -> str:
     return stem or path.name
 
 
+_MODULE_FOLDER = re.compile(r"^\d\d-")
+
+
+def _refuse_a_class_folder(p: Path) -> None:
+    """A single folder is one student; refuse one that holds a class instead.
+
+    ``grade submissions/`` (the parent folder, where ``submissions/*`` was meant) would grade
+    one "student" called ``submissions`` and skip everyone else's files: a gradebook silently
+    incomplete. A folder whose subfolders (two or more, not named like course modules, which
+    a student may keep their notebooks in) each hold course notebooks is a class.
+    """
+    if not p.is_dir():
+        return
+    students = []
+    for sub in sorted(q for q in p.iterdir() if q.is_dir() and not q.name.startswith(".")):
+        if sub.name in _SKIP_PARTS or _MODULE_FOLDER.match(sub.name):
+            continue
+        if any(_NOTEBOOK_NAME.match(f.stem) for f in sub.rglob("*.ipynb")
+               if not any(part.startswith(".") for part in f.relative_to(sub).parts)):
+            students.append(sub.name)
+    if len(students) >= 2:
+        shown = ", ".join(students[:4]) + (", ..." if len(students) > 4 else "")
+        raise ValueError(
+            f"{p} holds {len(students)} folders of course notebooks ({shown}): it looks like a "
+            f"class, not one student. A folder argument is one student; to grade each of them, "
+            f"name the students' folders: python -m utils grade {p}/* --out grades/")
+
+
 def collect_submissions(paths: Sequence[str | os.PathLike]) -> list[Submission]:
     """Expand the command line into submitted files, each with its student's name.
 
@@ -206,6 +234,8 @@ def collect_submissions(paths: Sequence[str | os.PathLike]) -> list[Submission]:
     """
     if not paths:
         raise ValueError("name at least one submission (a notebook or a student's folder)")
+    if len(paths) == 1:
+        _refuse_a_class_folder(Path(paths[0]).expanduser())
     found: list[Submission] = []
     for raw in paths:
         p = Path(raw).expanduser()
