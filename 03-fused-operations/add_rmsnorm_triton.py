@@ -70,11 +70,13 @@ def _next_power_of_2(n: int) -> int:
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """How one row is processed: block width, warps per program, one pass or two."""
+    """How one row is processed: block width, warps per program, one pass or two, and (two
+    passes) how many blocks cover the row."""
 
     block: int
     num_warps: int
     single_pass: bool
+    n_blocks: int = 1
 
 
 def launch_config(n_cols: int, block_size: int | None = None,
@@ -83,8 +85,9 @@ def launch_config(n_cols: int, block_size: int | None = None,
 
     By default a row up to :data:`MAX_SINGLE_PASS_BLOCK` elements fits one block
     (the next power of two: ``tl.arange`` needs one) and is processed in one
-    pass; longer rows use blocks of :data:`LOOP_BLOCK` in two passes. More
-    elements per program want more warps, so that each thread holds a few.
+    pass; longer rows use blocks of :data:`LOOP_BLOCK` in two passes, over
+    ``n_blocks = ceil(n_cols / block)`` blocks. More elements per program want
+    more warps, so that each thread holds a few.
 
     Args:
         n_cols: elements per row (>= 1).
@@ -109,7 +112,9 @@ def launch_config(n_cols: int, block_size: int | None = None,
         num_warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
     elif num_warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"num_warps must be a power of two from 1 to 32, got {num_warps!r}")
-    return LaunchConfig(block=max(block, 16), num_warps=num_warps, single_pass=single)
+    block = max(block, 16)
+    return LaunchConfig(block=block, num_warps=num_warps, single_pass=single,
+                        n_blocks=1 if single else -(-n_cols // block))
 
 
 if HAVE_TRITON:
@@ -117,7 +122,8 @@ if HAVE_TRITON:
     @triton.jit
     def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, h_ptr, y_ptr, n_cols,
                             stride_x, stride_r, stride_h, stride_y, eps,
-                            BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr):
+                            BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr,
+                            N_BLOCKS: tl.constexpr):
         # One program per row. int64 row offsets: rows x stride can pass 2^31 elements.
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * stride_x
@@ -139,10 +145,15 @@ if HAVE_TRITON:
             w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
             tl.store(y_row + cols, (hf * inv_rms * w).to(y_ptr.dtype.element_ty), mask=mask)
         else:
+            # Two passes over N_BLOCKS = ceil(n_cols / BLOCK) blocks. The trip count is a
+            # compile-time constant: one compiled version serves every row length with the same
+            # block count (8193 to 12288 columns share one), the compiler knows the loop's
+            # length, and Triton 3.6's interpreter can run it (it cannot take `range` over a
+            # runtime argument under NumPy 2.4). The masks still use the runtime n_cols.
             # Pass 1: h, stored as we go, and the sum of its squares.
             acc = tl.zeros([BLOCK], dtype=tl.float32)
-            for start in range(0, n_cols, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
+            for b in range(N_BLOCKS):
+                cols = b * BLOCK + tl.arange(0, BLOCK)
                 mask = cols < n_cols
                 x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
                 r = tl.load(r_row + cols, mask=mask, other=0.0).to(tl.float32)
@@ -153,8 +164,8 @@ if HAVE_TRITON:
             inv_rms = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / n_cols + eps)
             # Pass 2: normalise. h is recomputed from x and r rather than read back from
             # the h just stored, so no load depends on a store of this same program.
-            for start in range(0, n_cols, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
+            for b in range(N_BLOCKS):
+                cols = b * BLOCK + tl.arange(0, BLOCK)
                 mask = cols < n_cols
                 x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
                 r = tl.load(r_row + cols, mask=mask, other=0.0).to(tl.float32)
@@ -227,7 +238,10 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     h = torch.empty_like(x2, memory_format=torch.contiguous_format)
     y = torch.empty_like(x2, memory_format=torch.contiguous_format)
     n_rows = x2.shape[0]
+    # enable_fp_fusion: a multiply and an add may become one FMA, Triton's default so far;
+    # said explicitly because Triton 3.9 warns when it is left unset (its default changes).
     _add_rmsnorm_kernel[(n_rows,)](
         x2, r2, w, h, y, n_cols, x2.stride(0), r2.stride(0), h.stride(0), y.stride(0), eps,
-        BLOCK=cfg.block, SINGLE_PASS=cfg.single_pass, num_warps=cfg.num_warps)
+        BLOCK=cfg.block, SINGLE_PASS=cfg.single_pass, N_BLOCKS=cfg.n_blocks,
+        num_warps=cfg.num_warps, enable_fp_fusion=True)
     return h.view(x.shape), y.view(x.shape)

@@ -105,3 +105,11 @@ def test_rank_plan_with_more_ranks_needed():
 def test_bad_counts_are_clear_errors(call):
     with pytest.raises(ValueError, match="must be an int"):
         call()
+
+
+@pytest.mark.parametrize("smoke", [True, False])
+@pytest.mark.parametrize("cores", CORES)
+def test_threads_beside_workers(cores, smoke):
+    workers = sizes.loader_workers(cores, smoke=smoke)
+    t = sizes.threads_beside_workers(cores, workers, smoke=smoke)
+    assert t >= 1 and (t + workers <= cores or t == 1)

@@ -24,6 +24,7 @@ __all__ = [
     "worker_sweep",
     "loader_batches_needed",
     "threads_per_process",
+    "threads_beside_workers",
     "RankPlan",
     "rank_plan",
 ]
@@ -108,6 +109,19 @@ def threads_per_process(cpu_count: int, nproc: int, *, smoke: bool) -> int:
     _count("nproc", nproc, 1)
     cap = THREADS_CAP_SMOKE if smoke else THREADS_CAP_FULL
     return max(1, min(cpu_count // nproc, cap))
+
+
+def threads_beside_workers(cpu_count: int, workers: int, *, smoke: bool) -> int:
+    """Intra-op threads for the main process while ``workers`` DataLoader workers (one thread
+    each) share the ``cpu_count`` cores with it: the cores they leave, at least 1, capped as in
+    :func:`threads_per_process`.
+
+    Raises:
+        ValueError: a count that is not an int of the right range.
+    """
+    _count("cpu_count", cpu_count, 1)
+    _count("workers", workers, 0)
+    return threads_per_process(max(1, cpu_count - workers), 1, smoke=smoke)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,72 @@
+"""00-foundations/03_input_pipeline: its machine-derived sizes hold on 1 to 128 cores.
+
+The first GPU run failed Exercise 3 on a 16-core node: the check accepted up to
+``cpu_count - 1`` loader workers while the dataset held batches for 2 (smoke) or 32 (full).
+Here the notebook's sizes cell runs for each core count, as that machine would run it, and every
+worker count the notebook uses, or its Exercise 3 check accepts, must fit the dataset.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import utils
+from conftest import REPO
+
+NOTEBOOK = REPO / "00-foundations" / "03_input_pipeline.ipynb"
+
+
+def _cells():
+    nb = json.loads(NOTEBOOK.read_text(encoding="utf-8"))
+    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+
+
+def _cell(marker: str) -> str:
+    hits = [src for src in _cells() if marker in src]
+    assert len(hits) == 1, f"{len(hits)} code cells contain {marker!r}"
+    return hits[0]
+
+
+class _Ledger:
+    def __init__(self, *args, **kwargs):
+        pass
+
+
+@pytest.mark.parametrize("cores", [1, 2, 4, 16, 64, 128])
+@pytest.mark.parametrize("smoke", [True, False])
+@pytest.mark.parametrize("cuda", [False, True])
+def test_dataset_holds_every_worker_count_the_notebook_or_its_check_allows(
+        cores, smoke, cuda, monkeypatch):
+    monkeypatch.setattr(utils, "Ledger", _Ledger)  # the sizes cell must not write results
+    threads = torch.get_num_threads()
+    env = SimpleNamespace(device="cuda:0" if cuda else "cpu", is_cuda=cuda, cpu_count=cores,
+                          cpu_threads=cores)
+    ns = {"utils": utils, "torch": torch, "ENV": env, "SMOKE": smoke}
+    try:
+        exec(_cell("SMOKE = utils.resolve_smoke(SMOKE)"), ns)
+    finally:
+        torch.set_num_threads(threads)
+    batches = ns["N_ITEMS"] // ns["BATCH"]
+    allowed = set(ns["WORKER_COUNTS"]) | set(range(1, ns["MAX_WORKERS"] + 1))
+    for k in allowed:
+        need = utils.sizes.loader_batches_needed(k, ns["MIN_TIMED"])
+        assert need <= batches, f"{cores} cores, smoke={smoke}: {k} workers need {need} batches"
+    assert ns["MAX_WORKERS"] == utils.sizes.loader_workers(cores, smoke=smoke)
+    assert 1 <= ns["MAIN_THREADS"] <= max(cores, 1)
+
+
+def test_exercise_3_check_is_bounded_by_the_sizes_the_dataset_holds():
+    check = _cell("# Check Exercise 3")
+    assert "ex_loader.num_workers <= MAX_WORKERS" in check
+    assert "CPU_COUNT - 1" not in check
+    solution = _cell("# Exercise 3: the loader")
+    assert "utils.sizes.loader_workers(" in solution
+
+
+def test_time_loader_says_how_to_size_a_short_loader():
+    src = _cell("def time_loader(")
+    assert "utils.sizes.loader_batches_needed(" in src
