@@ -199,3 +199,17 @@ def test_loss_tolerance_by_arithmetic():
     assert precision.loss_tolerance("bf16") == precision.loss_tolerance("fp16")
     with pytest.raises(ValueError, match="unknown arithmetic"):
         precision.loss_tolerance("int8")
+
+
+@pytest.mark.parametrize("conv, env, expected", [
+    (True, {}, True), (False, {}, False),
+    (False, {"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"}, False),   # cuBLAS only
+    (True, {"NVIDIA_TF32_OVERRIDE": "0"}, False),
+])
+def test_tf32_for_cudnn_convolutions(conv, env, expected):
+    assert precision.tf32_in_effect("cuda:0", matmul=conv, capability=(9, 0), environ=env,
+                                    op="conv") is expected
+    with utils.tf32(matmul=False, conv=True):
+        assert precision.tolerance(torch.float32, "cpu", op="conv").arithmetic == "fp32"
+    with pytest.raises(ValueError, match="op must be"):
+        precision.tf32_in_effect("cpu", op="attention")

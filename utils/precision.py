@@ -291,19 +291,26 @@ def _truthy(value: str | None) -> bool:
 
 def tf32_in_effect(device: str | torch.device | None = None, *, matmul: bool | None = None,
                    capability: tuple[int, int] | None = None,
-                   environ: dict[str, str] | None = None) -> bool:
-    """Whether fp32 matmuls on ``device`` really run with TF32 inputs.
+                   environ: dict[str, str] | None = None, op: str = "matmul") -> bool:
+    """Whether fp32 matmuls (or cuDNN convolutions) on ``device`` really run with TF32 inputs.
 
     TF32 needs an NVIDIA GPU of compute capability 8.0 or newer, a setting that allows it
-    (``matmul``, default: the current :func:`tf32_state`) or ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1``,
-    and no ``NVIDIA_TF32_OVERRIDE=0``. On a CPU (or MPS) it is never in effect.
+    (``matmul``, default: the current :func:`tf32_state`, its matmul or its cuDNN conv setting)
+    or, for matmuls, ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1``, and no ``NVIDIA_TF32_OVERRIDE=0``.
+    On a CPU (or MPS) it is never in effect.
 
     Args:
         device: the device the fp32 work runs on (default: :func:`utils.pick_device`).
-        matmul: the TF32 setting to assume (default: the current one).
+        matmul: the TF32 setting to assume for ``op`` (default: the current one).
         capability: the GPU's compute capability (default: read from ``device``).
         environ: the environment to read the overrides from (default: this process's).
+        op: ``"matmul"`` (cuBLAS) or ``"conv"`` (cuDNN convolutions, TF32 by default in torch).
+
+    Raises:
+        ValueError: an unknown ``op``.
     """
+    if op not in ("matmul", "conv"):
+        raise ValueError(f"op must be 'matmul' or 'conv', got {op!r}")
     dev = None if device is None else torch.device(device)
     if dev is None or (dev.type == "cuda" and dev.index is None and capability is None):
         from .env import pick_device  # env imports this module
@@ -317,7 +324,10 @@ def tf32_in_effect(device: str | torch.device | None = None, *, matmul: bool | N
     env = os.environ if environ is None else environ
     if env.get("NVIDIA_TF32_OVERRIDE", "").strip() == "0":
         return False
-    allowed = tf32_state().matmul if matmul is None else matmul
+    state = tf32_state()
+    allowed = (state.matmul if op == "matmul" else state.conv) if matmul is None else matmul
+    if op == "conv":
+        return bool(allowed)  # the cuBLAS override does not reach cuDNN
     return bool(allowed or _truthy(env.get("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE")))
 
 
@@ -385,7 +395,7 @@ class Tolerance:
 
 
 def arithmetic(dtype: torch.dtype = torch.float32, device: str | torch.device | None = None,
-               *, tf32: bool | None = None) -> str:
+               *, tf32: bool | None = None, op: str = "matmul") -> str:
     """The arithmetic matmuls in ``dtype`` on ``device`` really use: ``"fp32"``, ``"tf32"``,
     ``"bf16"``, ``"fp16"`` or ``"fp64"``.
 
@@ -403,13 +413,13 @@ def arithmetic(dtype: torch.dtype = torch.float32, device: str | torch.device | 
     if name != "fp32":
         return name
     if tf32 is None:
-        tf32 = tf32_in_effect(device)
+        tf32 = tf32_in_effect(device, op=op)
     return "tf32" if tf32 else "fp32"
 
 
 def tolerance(dtype: torch.dtype = torch.float32, device: str | torch.device | None = None, *,
               tf32: bool | None = None, scale: float | torch.Tensor = 1.0,
-              factor: float = 1.0) -> Tolerance:
+              factor: float = 1.0, op: str = "matmul") -> Tolerance:
     """The tolerance for comparing two computations of one function in ``dtype``.
 
     The one place the course derives a tolerance: from the dtype, the device and the TF32
@@ -425,11 +435,13 @@ def tolerance(dtype: torch.dtype = torch.float32, device: str | torch.device | N
             mean square is used. ``atol = rtol * scale``.
         factor: widen (or narrow) both tolerances, for a comparison known to differ more
             (say why beside it).
+        op: what the fp32 results went through: ``"matmul"`` (the default) or ``"conv"``
+            (cuDNN convolutions, whose TF32 setting is their own and on by default in torch).
 
     Raises:
         ValueError: an unknown dtype, a scale or factor that is not positive and finite.
     """
-    name = arithmetic(dtype, device, tf32=tf32)
+    name = arithmetic(dtype, device, tf32=tf32, op=op)
     if isinstance(scale, torch.Tensor):
         scale = float(scale.detach().to(torch.float64).pow(2).mean().sqrt()) if scale.numel() else 1.0
         scale = scale if scale > 0 else 1.0
