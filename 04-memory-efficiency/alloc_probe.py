@@ -107,9 +107,9 @@ def settings(torch) -> dict:
     }
 
 
-def exp_holes(torch, args) -> dict:
+def exp_holes(torch, args, device) -> dict:
     stages = {}
-    blocks = [torch.empty(args.block_mib * MIB, dtype=torch.uint8, device="cuda")
+    blocks = [torch.empty(args.block_mib * MIB, dtype=torch.uint8, device=device)
               for _ in range(args.blocks)]
     torch.cuda.synchronize()
     stages["allocated"] = allocator_view(torch)
@@ -117,7 +117,7 @@ def exp_holes(torch, args) -> dict:
     stages["every other freed"] = allocator_view(torch)
     torch.cuda.empty_cache()
     stages["after empty_cache"] = allocator_view(torch)
-    big = torch.empty(args.big_mib * MIB, dtype=torch.uint8, device="cuda")
+    big = torch.empty(args.big_mib * MIB, dtype=torch.uint8, device=device)
     torch.cuda.synchronize()
     stages[f"{args.big_mib} MiB requested"] = allocator_view(torch)
     del big, blocks
@@ -126,27 +126,26 @@ def exp_holes(torch, args) -> dict:
     return {"stages": stages}
 
 
-def exp_varlen(torch, args) -> dict:
+def exp_varlen(torch, args, device) -> dict:
     import utils
     from utils.distributed import step_times_ms
 
     cfg = utils.GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size,
                           n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     torch.manual_seed(0)
-    model = utils.TinyGPT(cfg).cuda()
+    model = utils.TinyGPT(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)
     lo = max(8, args.block_size // 8)
     lengths = [int(v) for v in torch.randint(lo, args.block_size + 1, (args.steps + 1,),
                                              generator=g)]
-    batches = [utils.lm_batch(cfg, args.batch, seq_len=t, device="cuda", seed=i)
+    batches = [utils.lm_batch(cfg, args.batch, seq_len=t, device=device, seed=i)
                for i, t in enumerate(lengths)]
     utils.train_step(model, opt, *batches[0])  # optimizer state, cuBLAS workspace
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     it = iter(batches[1:])
-    times = step_times_ms(lambda: utils.train_step(model, opt, *next(it)), args.steps,
-                          torch.device("cuda"))
+    times = step_times_ms(lambda: utils.train_step(model, opt, *next(it)), args.steps, device)
     s = torch.cuda.memory_stats()
     view = allocator_view(torch)
     return {
@@ -169,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         result["env"] = {v: os.environ.get(v) for v in CONF_VARS if os.environ.get(v)}
     else:
         torch.cuda.init()
-        torch.empty(MIB, device="cuda")  # CUDA memory has been used: the settings are read
+        # The current device, with its index: some CUDA APIs refuse a device without one.
+        device = torch.device("cuda", torch.cuda.current_device())
+        torch.empty(MIB, device=device)  # CUDA memory has been used: the settings are read
         if args.set_late is not None:
             os.environ["PYTORCH_ALLOC_CONF"] = args.set_late
             result["set_late"] = args.set_late
@@ -177,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         result["settings"] = settings(torch)
         result["gpu"] = torch.cuda.get_device_name()
         try:
-            result.update(exp_holes(torch, args) if args.experiment == "holes"
-                          else exp_varlen(torch, args))
+            result.update(exp_holes(torch, args, device) if args.experiment == "holes"
+                          else exp_varlen(torch, args, device))
             result["oom"] = None
         except getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError) as exc:
             # report it; the notebook says what it means

@@ -55,7 +55,8 @@ def test_no_index_less_cuda_device():
     assert not bad, "index-less CUDA devices:\n" + "\n".join(bad)
 
 
-TOL_LITERAL = re.compile(r"\b(rtol|atol)\s*=\s*(\d[\d.]*(?:e-?\d+)?)")
+# a tolerance keyword given a bare number (a derivation such as atol=10 * eps is not one)
+TOL_LITERAL = re.compile(r"\b(rtol|atol)\s*=\s*(\d[\d.]*(?:e-?\d+)?)(?=\s*[,)}\]]|\s*$)")
 
 
 def _nonzero_literal(match: re.Match) -> bool:
@@ -103,6 +104,7 @@ def test_comm_debug_mode_is_not_used():
     ('x.to(torch.device("cuda" if USE else "cpu"))', False),
     ('DEVICE = utils.pick_device()', True),
     ("TOL = dict(rtol=1e-4, atol=1e-4)", False),
+    ("return dict(atol=10 * (eps_in / 2) * math.sqrt(k), rtol=eps_out / 2)", True),
     ("torch.testing.assert_close(a, b, rtol=0, atol=0)", True),
     ("workers = max(1, ENV.cpu_count - 1)", False),
     ("THREADS = max(1, ENV.cpu_count // NPROC)", False),
