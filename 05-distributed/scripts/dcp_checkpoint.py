@@ -9,7 +9,8 @@ Two phases, chosen with ``--phases``:
     ways: ``dcp.save`` (every rank writes its own shards), ``dcp.async_save`` (the same, copied
     to CPU memory and written by background threads while training goes on; the next
     optimizer step waits for the copy) and the old way (gather the full state dict to rank 0
-    and ``torch.save`` it). Train ``--steps`` more steps: the *uninterrupted* losses.
+    and ``torch.save`` it). Train ``--steps`` more steps: the *uninterrupted* losses; their
+    final state is saved the old way too, for the notebook to compare with.
     Then build a fresh model, load the DCP checkpoint into it and train the same steps again:
     the *resumed* losses. The notebook loads the same checkpoint into one process, too.
 
@@ -79,7 +80,12 @@ def make_stager(device):
     """How ``async_save`` copies the state to CPU memory: in a background thread, so that
     the copy overlaps the next forward and backward (into pinned memory, with non-blocking
     copies, on GPUs). ``None`` where this torch has no ``DefaultStager`` (before 2.9): then
-    ``async_save`` copies before it returns. Close it after the last checkpoint."""
+    ``async_save`` copies before it returns.
+
+    One stager per checkpoint, closed once that checkpoint is written: in torch 2.11 a
+    ``DefaultStager`` stages only once (its staging ends by emptying the table it copies
+    with, so a second checkpoint through it fails in the stager with
+    ``KeyError: <class 'type'>``); newer torch can reuse one and keep its buffers."""
     if DefaultStager is None:
         return None
     on_gpu = device.type == "cuda"
@@ -250,6 +256,10 @@ def phase_resume(cfg, args, w, mesh, pg, ckpt):
     background = stager is not None
     if background:
         stager.close()
+    # The uninterrupted run's state after its 2k steps, for the notebook's resumed runs to
+    # be compared with (the old way: one full file on rank 0).
+    save_the_old_way(model, opt, ckpt / "full_final.pt", w.rank)
+    dist.barrier(pg)
     del model, opt
     gc.collect()
 
@@ -270,7 +280,6 @@ def phase_time(cfg, args, w, mesh, pg, ckpt):
     """Blocking time of each way to checkpoint, and step times while async_save writes."""
     model, opt = build(cfg, args, w, mesh)
     x, y = rank_slice(global_batch(cfg, args, w.world_size, 0), w, args)
-    stager = make_stager(w.device)  # one stager for every checkpoint: it reuses its buffers
 
     def step_ms(staging=None):
         """(ms of one training step, ms of it spent waiting for ``staging``)."""
@@ -288,6 +297,7 @@ def phase_time(cfg, args, w, mesh, pg, ckpt):
             _, old_s = timed(lambda: save_the_old_way(model, opt, ckpt / f"full_{r}.pt",
                                                       w.rank), w.device)
         dist.barrier(pg)
+        stager = make_stager(w.device)  # a new one for every checkpoint (make_stager says why)
         with CudaPeak(w.device) as async_peak:
             (staging, upload), async_s = timed(
                 lambda: async_save(model, opt, ckpt / f"async_{r}", pg, stager), w.device)
@@ -297,6 +307,8 @@ def phase_time(cfg, args, w, mesh, pg, ckpt):
             busy.append(ms)
             staging_wait_ms += waited
         _, wait_s = timed(upload.result, w.device)
+        if stager is not None:
+            stager.close()
         rounds.append({"sync_s": sync_s, "old_s": old_s, "async_s": async_s,
                        "staging_wait_s": staging_wait_ms / 1e3,
                        "async_blocking_s": async_s + staging_wait_ms / 1e3,
@@ -308,9 +320,7 @@ def phase_time(cfg, args, w, mesh, pg, ckpt):
         if w.is_main:  # keep only the latest checkpoints, as a training run would
             for old in (ckpt / f"sync_{r}", ckpt / f"async_{r}", ckpt / f"full_{r}.pt"):
                 shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
-    background = stager is not None
-    if background:
-        stager.close()
+    background = stager is not None  # (the last round's: every round makes the same kind)
     del model, opt
     gc.collect()
     return {"rounds": rounds[1:], "warmup": rounds[0], "background_staging": background}

@@ -42,6 +42,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import utils
 import utils.distributed as ud
+import utils.profiling
 
 EXPERIMENTS = ("check", "bucket_view", "comm", "settings", "accum", "amp")
 CHECK_SEED, TIME_SEED = 1, 2  # seeds of the check batch and of the timed batches
@@ -271,7 +272,10 @@ def run_comm(a, cfg, w, out):
         acts = [torch.profiler.ProfilerActivity.CPU]
         if w.device.type == "cuda":
             acts.append(torch.profiler.ProfilerActivity.CUDA)
-        ctx = torch.profiler.profile(activities=acts) if w.is_main else contextlib.nullcontext()
+        # utils.profiling.new_profiler: a torch.profiler.profile that keeps its events after
+        # its one cycle (without that, torch 2.11 warns that it "clears events at the end of
+        # each cycle", a line that reads like a fault)
+        ctx = (utils.profiling.new_profiler(acts) if w.is_main else contextlib.nullcontext())
         w.barrier()
         with ctx as prof:
             for _ in range(a.profile_steps):

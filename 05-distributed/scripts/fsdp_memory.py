@@ -9,7 +9,8 @@ Started by ``05-distributed/02_fsdp2_and_zero.ipynb`` through ``utils.distribute
    updates with the reference,
 3. counts the bytes of the parameters, gradients and optimizer state this rank holds
    (for a DTensor, its local shard), the unsharded parameter bytes still held when the
-   forward pass ends, the collectives of one step, and the step time,
+   forward pass ends, the collectives of one step (``utils.collectives.CollectiveCounter``,
+   by kind and by phase), and the step time,
 4. writes all of it to ``--out/rank<k>.json``.
 
 Configurations: ``ddp``, ``zero1`` (DDP + ZeroRedundancyOptimizer), ``fsdp2`` (fully_shard
@@ -39,7 +40,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.debug import CommDebugMode
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 try:  # torch >= 2.6: FSDP2 is public API here
@@ -52,6 +52,7 @@ except ImportError:  # torch 2.4 / 2.5: the same API under its earlier, private 
 
 import utils
 import utils.distributed as ud
+from utils.collectives import CollectiveCounter
 
 CONFIGS = ("ddp", "zero1", "fsdp2", "fsdp2_keep", "fsdp2_bf16", "fsdp2_offload",
            "fsdp2_meta", "fsdp2_prefetch", "fsdp2_accum", "fsdp2_accum_fn")
@@ -186,16 +187,6 @@ def full_tensor(p, device):
     return p.full_tensor().detach()
 
 
-def comm_name(op):
-    name = str(op)
-    for key, short in (("allgather", "all_gather"), ("all_gather", "all_gather"),
-                       ("reduce_scatter", "reduce_scatter"), ("allreduce", "all_reduce"),
-                       ("all_reduce", "all_reduce"), ("broadcast", "broadcast")):
-        if key in name:
-            return short
-    return name
-
-
 # --- training -----------------------------------------------------------------------------
 def global_mean(loss, w):
     t = torch.as_tensor(loss).detach().float().reshape(1).to(w.device)
@@ -300,21 +291,17 @@ def run_config(name, cfg, args, w, mesh, batches, ref):
     held = state_bytes(inner, opt)
     on_device = state_bytes(inner, opt, device=w.device) if cuda else held
 
-    # 3. One step under CommDebugMode, with a hook that looks at the parameters when the
-    #    forward pass has ended (registered after FSDP's hooks, so it runs after them).
+    # 3. One step with its collectives counted, and a hook that looks at the parameters when
+    #    the forward pass has ended (registered after FSDP's hooks, so it runs after them).
     seen = {}
 
     def after_forward(module, inputs, output):  # returns None: the output is left alone
         seen.setdefault("bytes", unsharded_param_bytes(module))
 
     hook = inner.register_forward_hook(after_forward)
-    comm = CommDebugMode()
-    with comm:
+    with CollectiveCounter() as comm:
         step(*rank_slice(batches[0], w, args))
     hook.remove()
-    counts = {}
-    for op, n in comm.get_comm_counts().items():
-        counts[comm_name(op)] = counts.get(comm_name(op), 0) + n
 
     # 4. Step time: a fixed number of steps on every rank (ud.step_times_ms says why).
     x, y = rank_slice(batches[0], w, args)
@@ -327,7 +314,9 @@ def run_config(name, cfg, args, w, mesh, batches, ref):
         "bytes": held,
         "device_bytes": on_device,
         "unsharded_after_forward_bytes": seen.get("bytes"),
-        "comm_counts": counts,
+        "comm_counts": comm.as_dict(),
+        # "backward": inside the autograd engine; "forward": the rest (the optimizer step too)
+        "comm_by_phase": {phase: dict(sorted(c.items())) for phase, c in comm.by_phase.items()},
         "step_ms": statistics.median(times) if times else None,
         "step_ms_all": times,
         "cuda_peak_bytes": torch.cuda.max_memory_allocated(w.device) if cuda else None,

@@ -5,10 +5,14 @@ Start it with torchrun; the notebook does, through ``utils.distributed.launch``:
     torchrun --standalone --nproc-per-node=2 tp.py --out OUT --mode tp
     torchrun --standalone --nproc-per-node=4 tp.py --out OUT --mode 2d --tp 2
 
+``--mode`` takes a comma-separated list (``tp,2d``): one launch then runs each mode in turn,
+which saves the seconds of a torchrun start-up per mode.
+
 ``--mode tp``: DeviceMesh and DTensor basics, then TinyGPT with ColwiseParallel /
 RowwiseParallel, checked against the same model on one device (logits, gradients, and the
-losses of a few AdamW steps); the collectives of one forward and one backward
-(CommDebugMode); the parameter bytes each rank holds; the step time of both at a few widths.
+losses of a few AdamW steps); the collectives of one forward and one backward, by phase and
+by module (``utils.collectives.CollectiveCounter``); the parameter bytes each rank holds; the
+step time of both at a few widths.
 
 ``--mode 2d``: a 2-D ("dp", "tp") mesh: tensor parallelism inside each "tp" group, FSDP2
 (``fully_shard``) across "dp"; gradients and losses checked against one device.
@@ -18,7 +22,9 @@ defines (functions whose names end in ``_plan`` and return a ``parallelize_modul
 for ``mlp.0`` / ``mlp.2``), attention left replicated; for each plan, the logits against
 one device and the collectives of one forward and one backward (the notebook's exercise).
 
-Every rank writes what it measured to ``OUT/rank<k>.json``.
+Every rank writes what it measured to ``OUT/rank<k>.json``, one entry per mode
+(``{"tp": {...}, "2d": {...}}``), each with the rank's ``rank``, ``world_size``, ``backend``,
+``device`` and ``torch``.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import importlib.util
 import logging
 import types
 import warnings
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -36,12 +43,12 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
 
 import utils
 import utils.distributed as ud
+from utils.collectives import CollectiveCounter, collective_kind
 
 # Which Linear of a TinyGPT block gets which style. Each Colwise -> Rowwise pair needs one
 # all-reduce in the forward pass (after the Rowwise layer) and one in the backward pass
@@ -53,12 +60,14 @@ TP_PLAN = {
     "mlp.2": RowwiseParallel(),      # back to n_embd: partial sums, all-reduced
 }
 TP_LAYERS = tuple(TP_PLAN)
+MODES = ("tp", "2d", "plan")
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="folder for rank<k>.json")
-    p.add_argument("--mode", choices=("tp", "2d", "plan"), default="tp")
+    p.add_argument("--mode", default="tp",
+                   help=f"comma-separated, from {', '.join(MODES)}, run in the order given")
     p.add_argument("--tp", type=int, default=2, help="2d mode: size of the 'tp' mesh dimension")
     p.add_argument("--plan-file", default="", help="plan mode: the file defining *_plan()")
     ud.add_gpt_args(p, vocab=256, seq_len=32, n_layer=2, n_head=4, n_embd=64)
@@ -68,16 +77,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--time-widths", default="",
                    help="comma-separated n_embd values to time (default: --n-embd)")
     p.add_argument("--timeout", type=float, default=120, help="collective timeout, seconds")
-    return p.parse_args()
+    a = p.parse_args()
+    a.mode = [m for m in a.mode.split(",") if m]
+    if not a.mode or set(a.mode) - set(MODES):
+        p.error(f"--mode takes a comma-separated list of {', '.join(MODES)}, got {a.mode}")
+    return a
 
 
 # ----------------------------------------------------------------------------- DTensor basics
-def comm_counts(mode: CommDebugMode) -> dict[str, int]:
-    """CommDebugMode's counts, keyed by the collective's short name (e.g. 'all_reduce')."""
-    return {getattr(op, "__name__", str(op)).split(".")[-1]: n
-            for op, n in mode.get_comm_counts().items()}
-
-
 def dtensor_demo(mesh, device) -> dict:
     """Place one 8 x 8 matrix three ways; then a sharded matmul that ends Partial."""
     full = torch.arange(64, dtype=torch.float32, device=device).reshape(8, 8)
@@ -94,18 +101,19 @@ def dtensor_demo(mesh, device) -> dict:
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0)).to(device)
     w = torch.randn(8, 6, generator=torch.Generator().manual_seed(1)).to(device)
     xd, wd = distribute_tensor(x, mesh, [Shard(1)]), distribute_tensor(w, mesh, [Shard(0)])
-    with CommDebugMode() as matmul_comm:
+    with CollectiveCounter() as matmul_comm:
         yd = xd @ wd                                      # no communication: the result is Partial
-    with CommDebugMode() as reduce_comm:
+    with CollectiveCounter() as reduce_comm:
         y = yd.redistribute(mesh, [Replicate()])          # Partial -> Replicate = all-reduce
-    torch.testing.assert_close(y.to_local(), x @ w)
+    torch.testing.assert_close(y.to_local(), x @ w, **utils.tolerance(torch.float32, device,
+                                                                      scale=x @ w).kwargs())
     rows = distribute_tensor(full, mesh, [Shard(0)])
-    with CommDebugMode() as gather_comm:
+    with CollectiveCounter() as gather_comm:
         rows.redistribute(mesh, [Replicate()])           # Shard -> Replicate = all-gather
-    report["matmul"] = {"placement": str(yd.placements[0]), "comm": comm_counts(matmul_comm),
+    report["matmul"] = {"placement": str(yd.placements[0]), "comm": matmul_comm.as_dict(),
                         "local_y00": yd.to_local()[0, 0].item(), "full_y00": (x @ w)[0, 0].item(),
-                        "partial_to_replicate_comm": comm_counts(reduce_comm),
-                        "shard_to_replicate_comm": comm_counts(gather_comm)}
+                        "partial_to_replicate_comm": reduce_comm.as_dict(),
+                        "shard_to_replicate_comm": gather_comm.as_dict()}
     return report
 
 
@@ -161,17 +169,91 @@ def apply_tp(model, tp_mesh):
 
 
 # ------------------------------------------------------------------------------- helpers
-# fp32 tolerances. The sharded model adds its partial sums in another order than one device
-# does, so results differ by rounding: relative 1e-4, plus an absolute 1e-5 of the largest
-# entry so that entries near zero are not held to a relative bound they cannot meet.
-RTOL, ATOL_OF_MAX = 1e-4, 1e-5
+def check_close(got: torch.Tensor, want: torch.Tensor, what: str,
+                device: torch.device | None = None) -> tuple[float, float]:
+    """Assert got == want within the fp32 tolerance; return (max|got - want| / max|want|,
+    the worst error in units of the tolerance).
 
-
-def check_close(got: torch.Tensor, want: torch.Tensor, what: str) -> float:
-    """Assert got == want within the fp32 tolerances; return max|got - want| / max|want|."""
+    The sharded model adds its partial sums in another order than one device does, so the
+    results differ by rounding. ``utils.tolerance`` gives the tolerance for fp32 on this
+    rank's device (TF32 is off in every rank: ``main`` turns it off), with the absolute part
+    scaled to the values' size, so that entries near zero are not held to a relative bound
+    they cannot meet. ``device``: where the values were computed (default: where they are).
+    """
+    tol = utils.tolerance(torch.float32, device or want.device, scale=want)
+    torch.testing.assert_close(got, want, **tol.kwargs(), msg=lambda m: f"{what}: {m}")
     scale = want.abs().max().item() or 1.0
-    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL_OF_MAX * scale, msg=what)
-    return (got - want).abs().max().item() / scale
+    return (got - want).abs().max().item() / scale, tol.excess(got, want)
+
+
+class CollectivesByModule(CollectiveCounter):
+    """``utils.collectives.CollectiveCounter`` that also notes in which module each
+    collective ran: the innermost module whose forward was running, or in backward the
+    module whose backward started last (a hook on its output's gradient marks the start).
+
+    ``by_module[(phase, module name)]`` is a Counter of kinds. Use it as a context manager
+    around one forward and backward of ``model``; the hooks are removed on exit.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.by_module: dict[tuple[str, str], Counter] = {}
+        self._model = model
+        self._stack: list[str] = []       # modules whose forward is running
+        self._backward_in = "(outside any module)"
+        self._hooked: set[int] = set()    # outputs that already carry an inner module's hook
+        self._handles = []
+
+    def __enter__(self):
+        for name, module in self._model.named_modules():
+            if name:
+                self._handles += [module.register_forward_pre_hook(self._enter(name)),
+                                  module.register_forward_hook(self._leave(name))]
+        return super().__enter__()
+
+    def _enter(self, name):
+        def hook(module, inputs):
+            self._stack.append(name)
+        return hook
+
+    def _leave(self, name):
+        def hook(module, inputs, output):
+            self._stack.pop()
+            # An output shared with an inner module (a Sequential's last layer) keeps the
+            # inner module's hook: the innermost module is the one named.
+            if (isinstance(output, torch.Tensor) and output.requires_grad
+                    and id(output) not in self._hooked):
+                self._hooked.add(id(output))
+                output.register_hook(self._backward_starts(name))
+        return hook
+
+    def _backward_starts(self, name):
+        def hook(grad):
+            self._backward_in = name
+        return hook
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kind = collective_kind(func)
+        backward_before = self.by_phase["backward"][kind] if kind else 0
+        out = super().__torch_dispatch__(func, types, args, kwargs)  # counts it
+        if kind is not None:
+            if self.by_phase["backward"][kind] > backward_before:
+                key = ("backward", self._backward_in)
+            else:
+                key = ("forward", self._stack[-1] if self._stack else "(outside any module)")
+            self.by_module.setdefault(key, Counter())[kind] += 1
+        return out
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        return super().__exit__(*exc)
+
+    def table(self) -> dict[str, dict[str, int]]:
+        """``{"forward blocks.0.mlp.2": {"all_reduce": 1}, ...}``, JSON-ready."""
+        return {f"{phase} {name}": dict(sorted(c.items()))
+                for (phase, name), c in self.by_module.items()}
 
 
 def full_tensors(model, tp: int, grads: bool) -> dict[str, torch.Tensor]:
@@ -190,11 +272,13 @@ def full_tensors(model, tp: int, grads: bool) -> dict[str, torch.Tensor]:
 def check_grads(model, ref, tp: int) -> dict:
     """Every gradient of model (gathered) against ref's: worst relative and absolute error."""
     got = full_tensors(model, tp, grads=True)
-    rel = {n: check_close(got[n], p.grad, f"gradient of {n}") for n, p in ref.named_parameters()}
-    worst = max(rel, key=rel.get)
+    checked = {n: check_close(got[n], p.grad, f"gradient of {n}")
+               for n, p in ref.named_parameters()}
+    worst = max(checked, key=lambda n: checked[n][0])
     abs_err = max((got[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())
-    return {"grad_max_rel_err": rel[worst], "grad_worst_param": worst,
-            "grad_max_abs_err": abs_err}
+    return {"grad_max_rel_err": checked[worst][0], "grad_worst_param": worst,
+            "grad_max_abs_err": abs_err,
+            "grad_tol_excess": max(excess for _, excess in checked.values())}
 
 
 def param_max_abs_err(model, ref, tp: int) -> float:
@@ -252,23 +336,23 @@ def run_tp(a, w) -> dict:
     model = apply_tp(copy.deepcopy(ref), mesh)       # same weights, sharded over the mesh
     x, y = utils.lm_batch(cfg, a.batch, a.seq_len, device=w.device, seed=1)  # same batch on all
 
-    # 1. forward: the logits (replicated on every rank) against the single-device logits
-    with CommDebugMode() as fwd_comm:
+    # 1. one forward and one backward, their collectives counted by phase and by module
+    with CollectivesByModule(model) as comm:
         logits = model(x)
-    logits_ref = ref(x)
-    res["logits_max_rel_err"] = check_close(logits, logits_ref, "logits")
-    res["logits_max_abs_err"] = (logits - logits_ref).abs().max().item()
-
-    # 2. backward: every gradient, gathered to full size, against the single-device one
-    with CommDebugMode() as bwd_comm:
         F.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
-    F.cross_entropy(logits_ref.flatten(0, 1), y.flatten()).backward()
-    res.update(check_grads(model, ref, tp))
-    res["comm_forward"], res["comm_backward"] = comm_counts(fwd_comm), comm_counts(bwd_comm)
+    res["comm_forward"] = dict(sorted(comm.by_phase["forward"].items()))
+    res["comm_backward"] = dict(sorted(comm.by_phase["backward"].items()))
+    res["comm_by_module"] = comm.table()
     res["allreduce_payload_bytes"] = a.batch * a.seq_len * a.n_embd * logits.element_size()
-    with CommDebugMode() as both:                    # again, to see which layer communicates
-        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
-    res["comm_table"] = both.generate_comm_debug_tracing_table(noise_level=0)
+
+    # 2. the logits (replicated on every rank) and every gradient (gathered to full size)
+    #    against the single-device model's
+    logits_ref = ref(x)
+    F.cross_entropy(logits_ref.flatten(0, 1), y.flatten()).backward()
+    logits, logits_ref = logits.detach(), logits_ref.detach()
+    res["logits_max_rel_err"], res["logits_tol_excess"] = check_close(logits, logits_ref, "logits")
+    res["logits_max_abs_err"] = (logits - logits_ref).abs().max().item()
+    res.update(check_grads(model, ref, tp))
 
     # 3. a few AdamW steps with the shared train_step: the losses must stay equal
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -277,7 +361,8 @@ def run_tp(a, w) -> dict:
     for _ in range(a.steps):
         losses.append(utils.train_step(model, opt, x, y).item())
         losses_ref.append(utils.train_step(ref, opt_ref, x, y).item())
-    res["loss_max_rel_err"] = check_close(torch.tensor(losses), torch.tensor(losses_ref), "losses")
+    res["loss_max_rel_err"], res["loss_tol_excess"] = check_close(
+        torch.tensor(losses), torch.tensor(losses_ref), "losses", device=w.device)
     res["losses"], res["losses_ref"] = losses, losses_ref
     res["param_max_abs_err_after_steps"] = param_max_abs_err(model, ref, tp)
 
@@ -323,15 +408,17 @@ def run_2d(a, w) -> dict:
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     losses, losses_ref, res = [], [], {}
     for step in range(a.steps):
-        with CommDebugMode() as comm:
+        with CollectiveCounter() as comm:
             loss = utils.train_step(model, opt, xl, yl)    # half the batch per dp rank
         dist.all_reduce(loss, group=mesh.get_group("dp"))  # mean over the dp shares
         losses.append(loss.item() / dp)
         losses_ref.append(utils.train_step(ref, opt_ref, x, y).item())  # the whole batch
         if step == 0:   # FSDP2 averaged the gradients over "dp": they must equal one device's
             res.update(check_grads(model, ref, a.tp))
-            res["comm_step"] = comm_counts(comm)
-    res["loss_max_rel_err"] = check_close(torch.tensor(losses), torch.tensor(losses_ref), "losses")
+            res["comm_step"] = comm.as_dict()
+            res["comm_step_backward"] = dict(sorted(comm.by_phase["backward"].items()))
+    res["loss_max_rel_err"], res["loss_tol_excess"] = check_close(
+        torch.tensor(losses), torch.tensor(losses_ref), "losses", device=w.device)
     res["param_max_abs_err_after_steps"] = param_max_abs_err(model, ref, a.tp)
     res["placements"] = {n: [str(pl) for pl in p.placements] for n, p in model.named_parameters()
                          if n.startswith("blocks.0.") or n == "tok_emb.weight"}
@@ -362,20 +449,21 @@ def run_plans(a, w) -> dict:
     torch.manual_seed(0)
     ref = utils.TinyGPT(cfg).to(w.device)
     x, y = utils.lm_batch(cfg, a.batch, a.seq_len, device=w.device, seed=1)
-    logits_ref = ref(x)
+    logits_ref = ref(x).detach()
     res = {}
     for name, make_plan in load_plans(a.plan_file).items():
         model = copy.deepcopy(ref)
         for blk in model.blocks:
             parallelize_module(blk.mlp, mesh, make_plan())  # keys "0" and "2": mlp.0, mlp.2
-        with CommDebugMode() as fwd:
+        with CollectiveCounter() as comm:
             logits = model(x)
-        with CommDebugMode() as bwd:
             F.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
-        logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+        logits = (logits.full_tensor() if isinstance(logits, DTensor) else logits).detach()
         err = (logits - logits_ref).abs().max().item() / logits_ref.abs().max().item()
-        res[name] = {"logits_max_rel_err": err, "comm_forward": comm_counts(fwd),
-                     "comm_backward": comm_counts(bwd),
+        tol = utils.tolerance(torch.float32, w.device, scale=logits_ref)
+        res[name] = {"logits_max_rel_err": err, "logits_tol_excess": tol.excess(logits, logits_ref),
+                     "comm_forward": dict(sorted(comm.by_phase["forward"].items())),
+                     "comm_backward": dict(sorted(comm.by_phase["backward"].items())),
                      "mlp_bytes": sum(local_bytes(p) for n, p in model.named_parameters()
                                       if ".mlp." in n)}
     res["mlp_bytes_ref"] = sum(local_bytes(p) for n, p in ref.named_parameters() if ".mlp." in n)
@@ -387,13 +475,16 @@ def main() -> None:
     a = parse_args()
     utils.set_tf32(False)  # fp32 means fp32: every check compares with one device in fp32
     with ud.worker(timeout_s=a.timeout) as w:
-        res = {"tp": run_tp, "2d": run_2d, "plan": run_plans}[a.mode](a, w)
-        res.update(rank=w.rank, world_size=w.world_size, backend=w.backend,
-                   device=str(w.device), torch=torch.__version__)
-        ud.write_rank_result(a.out, w.rank, res)
-        if w.is_main:
-            print(f"[rank 0] mode={a.mode} world={w.world_size} backend={w.backend} "
-                  f"device={w.device}: checks passed")
+        out = {}
+        for mode in a.mode:
+            res = {"tp": run_tp, "2d": run_2d, "plan": run_plans}[mode](a, w)
+            res.update(rank=w.rank, world_size=w.world_size, backend=w.backend,
+                       device=str(w.device), torch=torch.__version__)
+            out[mode] = res
+            if w.is_main:
+                print(f"[rank 0] mode={mode} world={w.world_size} backend={w.backend} "
+                      f"device={w.device}: checks passed", flush=True)
+        ud.write_rank_result(a.out, w.rank, out)
 
 
 if __name__ == "__main__":
