@@ -240,3 +240,49 @@ def build_corpus(max_chars: int, n_words: int, seed: int = 0) -> Corpus:
     tok = Tokenizer.train(text, n_words)
     tokens = torch.tensor(tok.encode(text), dtype=torch.int32)
     return Corpus(tokenizer=tok, tokens=tokens, n_chars=len(text))
+
+
+@dataclass(frozen=True)
+class RandomTokens:
+    """Uniform random token ids over ``vocab_size``, for measuring speed at a vocabulary the
+    corpus cannot give (GPT-2's 50,257 needs far more distinct words than torch's sources
+    hold). Nothing is learnable in it; the loss stays near ``log(vocab_size)``.
+
+    It offers :meth:`on_device` like :class:`Corpus`: every step's batch is drawn on the device
+    from a generator seeded by ``seed`` and the step, with no copy from the host.
+    """
+
+    vocab_size: int
+    seed: int = 0
+
+    def on_device(self, device: str | torch.device, steps: int, batch_size: int, seq_len: int,
+                  seed: int | None = None) -> "RandomBatches":
+        _positive("vocab_size", self.vocab_size)
+        _positive("steps", steps)
+        _positive("batch_size", batch_size)
+        _positive("seq_len", seq_len)
+        return RandomBatches(torch.device(device), self.vocab_size, steps, batch_size, seq_len,
+                             self.seed if seed is None else seed)
+
+
+@dataclass(frozen=True)
+class RandomBatches:
+    """The batches of :class:`RandomTokens`: ``batches(step)`` -> ``(inputs, targets)``."""
+
+    device: torch.device
+    vocab_size: int
+    steps: int
+    batch_size: int
+    seq_len: int
+    seed: int
+
+    def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= step < self.steps:
+            raise IndexError(f"step {step} is outside the {self.steps} steps prepared")
+        g = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + step)
+        windows = torch.randint(self.vocab_size, (self.batch_size, self.seq_len + 1),
+                                generator=g, device=self.device)
+        fresh = torch.contiguous_format
+        return (windows[:, :-1].clone(memory_format=fresh),
+                windows[:, 1:].clone(memory_format=fresh))
+

@@ -19,6 +19,7 @@ Examples:
     python 06-capstone/train.py --preset tiny --steps 50 --out /tmp/gpt.pt
     python 06-capstone/train.py --rung sdpa --steps 100                # an earlier rung
     python 06-capstone/train.py --rung best --steps 2000               # the notebook's fastest
+    python 06-capstone/train.py --benchmark --steps 30                 # one table: fp32, top, GPT-2 vocab
     torchrun --standalone --nproc-per-node=8 06-capstone/train.py      # DDP, one process per GPU
 
 Under torchrun each process trains a DistributedDataParallel replica on its slice of
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -117,6 +119,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=str(utils.results_dir() / "capstone_gpt.pt"),
                    help="checkpoint written atomically at the end (default: capstone_gpt.pt in "
                         "the course's results folder, results/local/ or $COURSE_RESULTS_DIR)")
+    p.add_argument("--data", choices=("corpus", "random"), default="corpus",
+                   help="corpus (the default: torch's sources, tokenized) or random (uniform "
+                        "random tokens over --vocab-size, for speed at a vocabulary the corpus "
+                        "cannot give, such as GPT-2's; nothing to learn)")
+    p.add_argument("--vocab-size", type=int, default=50257,
+                   help="with --data random: the vocabulary (default: GPT-2's 50257; padded "
+                        "rows are never counted as model FLOPs)")
+    p.add_argument("--benchmark", action="store_true",
+                   help="measure, briefly and one after the other, fp32 eager, the top rung, the "
+                        "top rung at GPT-2's vocabulary (random tokens) and print one table: "
+                        "tokens/s, MFU against the measured ceiling and the datasheet peak, the "
+                        "FLOP convention; no checkpoint")
     p.add_argument("--results", default=None, metavar="PATH",
                    help="where to write this run's figures as a ledger (JSON, what "
                         "`python -m utils report` reads; default: 06-capstone__train.json in "
@@ -250,14 +264,24 @@ def train(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
         return _train(args, sizes, cfg, rung_name, preset, rank, world, device, notes)
 
 
+@functools.lru_cache(maxsize=2)
+def _corpus(max_chars: int, n_words: int, seed: int) -> corpus.Corpus:
+    """The corpus, built once per process (--benchmark trains on it more than once)."""
+    return corpus.build_corpus(max_chars, n_words, seed=seed)
+
+
 def _train(args, sizes, cfg, rung_name, preset, rank, world, device, notes=()) -> dict:
     from tqdm.auto import tqdm
 
     main = rank == 0
     say = print if main else (lambda *a, **k: None)
     t_start = time.perf_counter()
-    data = corpus.build_corpus(sizes["max_chars"], sizes["n_words"], seed=args.seed)
-    vocab = data.tokenizer.vocab_size
+    if args.data == "random":
+        data = corpus.RandomTokens(args.vocab_size, seed=args.seed)
+        vocab = args.vocab_size
+    else:
+        data = _corpus(sizes["max_chars"], sizes["n_words"], args.seed)
+        vocab = data.tokenizer.vocab_size
     gpt_cfg = utils.GPTConfig(vocab_size=vocab, block_size=sizes["block_size"],
                               n_layer=sizes["n_layer"], n_head=sizes["n_head"],
                               n_embd=sizes["n_embd"])
@@ -283,8 +307,13 @@ def _train(args, sizes, cfg, rung_name, preset, rank, world, device, notes=()) -
     say(f"device {device} x {world} process(es), torch {torch.__version__}; preset {preset}: "
         f"{gpt_cfg.n_layer} layers, width {gpt_cfg.n_embd}, {gpt_cfg.n_head} heads, "
         f"context {gpt_cfg.block_size}")
-    say(f"data: {data.n_chars:,} characters of torch's sources -> {data.tokens.numel():,} tokens, "
-        f"vocabulary {vocab} (padded to {ladder.padded_size(vocab, cfg.vocab_multiple)})")
+    padded_vocab = ladder.padded_size(vocab, cfg.vocab_multiple)
+    if args.data == "random":
+        say(f"data: uniform random tokens, vocabulary {vocab} (padded to {padded_vocab}): "
+            "for speed only, nothing to learn")
+    else:
+        say(f"data: {data.n_chars:,} characters of torch's sources -> {data.tokens.numel():,} "
+            f"tokens, vocabulary {vocab} (padded to {padded_vocab})")
     for note in notes:
         say(note)
     say(f"settings ({rung_name!r} + flags): {cfg.describe()}")
@@ -354,12 +383,15 @@ def _train(args, sizes, cfg, rung_name, preset, rank, world, device, notes=()) -
     say(f"first step ({what}): {first_s:.1f} s, not in the rates above")
     result = {"final_loss": loss, "tokens_per_s": speeds[-1] if speeds else math.nan,
               "mfu": mfu, "steps": args.steps, "world_size": world,
-              "wall_s": time.perf_counter() - t_start}
-    if rank == 0:
+              "wall_s": time.perf_counter() - t_start, "rung": rung_name, "vocab_size": vocab,
+              "padded_vocab": padded_vocab, "first_step_s": first_s, "ceiling_kind": kind,
+              "ceiling_tflops": ceiling, "flops_per_step": flops}
+    if rank == 0 and (args.out or "").lower() != "none":
         state = trainer.state_dict()
-        state.update(gpt_config=dataclasses.asdict(gpt_cfg), tokenizer_words=list(
-            data.tokenizer.words), vocab_size=vocab, rung=rung_name, result=result,
-            args={k: v for k, v in vars(args).items()})
+        words = list(data.tokenizer.words) if args.data == "corpus" else None
+        state.update(gpt_config=dataclasses.asdict(gpt_cfg), tokenizer_words=words,
+                     vocab_size=vocab, rung=rung_name, result=result,
+                     args={k: v for k, v in vars(args).items()})
         path = atomic_save(state, args.out)
         say(f"checkpoint: {path} ({path.stat().st_size / 2**20:.1f} MiB, written atomically)")
     say(f"done: final loss {loss:.4f}, {result['tokens_per_s']:,.0f} tokens/s, MFU {mfu:.1%}, "
@@ -369,6 +401,7 @@ def _train(args, sizes, cfg, rung_name, preset, rank, world, device, notes=()) -
         step_s = tokens_per_step / speeds[-1]
         report = utils.mfu_report(flops, step_s, ceiling, kind, device)
         say(f"MFU per process, last window: {report}")
+        result["report"] = report
     if main and (args.results or "").lower() != "none":
         path = write_ledger(args, result, report, first_s=first_s, flops=flops, ceiling=ceiling,
                             kind=kind, rung_name=rung_name, cfg=cfg, preset=preset, vocab=vocab,
@@ -412,10 +445,83 @@ def write_ledger(args, result, report, *, first_s, flops, ceiling, kind, rung_na
     return ledger.save(path)
 
 
+#: The runs of --benchmark: (label, flags over the command line's). MFU's FLOPs are counted
+#: with the fp32 baseline model (hand-written attention, unpadded vocabulary): 6N for the
+#: parameters' matmuls plus the full T x T attention matmuls, the nanoGPT convention.
+BENCHMARK_RUNS = (
+    ("fp32 eager", {"rung": "fp32"}),
+    ("top rung", {"rung": "top"}),
+    ("top rung, GPT-2 vocabulary", {"rung": "top", "data": "random"}),
+)
+BENCHMARK_CONVENTION = "6N + 12 L d T per token (parameters' matmuls and the full T x T attention)"
+
+
+def benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]:
+    """Run :data:`BENCHMARK_RUNS` one after the other and print one table."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        parser.error("--benchmark measures one process: run it without torchrun")
+    rows = []
+    for label, overrides in BENCHMARK_RUNS:
+        run_args = argparse.Namespace(**{**vars(args), **overrides, "out": "none",
+                                         "results": "none", "benchmark": False})
+        print(f"\n=== {label} ===", flush=True)
+        rows.append({"label": label, **train(run_args, parser)})
+    width = max(len(r["label"]) for r in rows)
+    print(f"\nFLOPs: {BENCHMARK_CONVENTION}; padded vocabulary rows are not counted.")
+    print(f"{'run':<{width}} {'vocab (padded)':>15} {'tokens/s':>11} {'TFLOP/s':>8} "
+          f"{'MFU measured':>13} {'MFU datasheet':>14}  rung")
+    for r in rows:
+        rep = r.get("report")
+        tf = f"{rep.achieved_tflops:8.3g}" if rep else f"{'-':>8}"
+        vm = f"{rep.vs_measured:13.1%}" if rep else f"{'-':>13}"
+        vd = (f"{rep.vs_datasheet:14.1%}" if rep and rep.vs_datasheet is not None
+              else f"{'n/a':>14}")
+        print(f"{r['label']:<{width}} {r['vocab_size']:>7} ({r['padded_vocab']:>5}) "
+              f"{r['tokens_per_s']:>11,.0f} {tf} {vm} {vd}  {r['rung']}")
+    print("MFU measured: of the matmul ceiling measured here in each run's arithmetic; MFU "
+          "datasheet: of the GPU's dense peak in that arithmetic (none for a CPU)")
+    if (args.results or "").lower() != "none":
+        path = write_benchmark_ledger(args, rows)
+        print(f"figures: {path}")
+    return rows
+
+
+def write_benchmark_ledger(args: argparse.Namespace, rows: list[dict]) -> Path:
+    """--benchmark's figures as one ledger (``06-capstone/train_benchmark``)."""
+    ledger = utils.Ledger("06-capstone/train_benchmark", smoke=args.preset == "tiny",
+                          env=utils.get_env(args.device), strict=False)
+    for r in rows:
+        key = r["label"].replace(", ", "_").replace(" ", "_").replace("-", "")
+        if math.isfinite(r["tokens_per_s"]):
+            ledger.record(f"tokens_per_s_{key}", r["tokens_per_s"], "tokens/s",
+                          note=f"{r['rung']}, vocabulary {r['vocab_size']} (padded to "
+                               f"{r['padded_vocab']})")
+        rep = r.get("report")
+        if rep is not None:
+            ledger.record(f"model_tflops_{key}", rep.achieved_tflops, "TFLOP/s",
+                          note=BENCHMARK_CONVENTION)
+            ledger.record(f"mfu_vs_measured_ceiling_{key}", rep.vs_measured, "fraction",
+                          note=f"{rep.precision} matmul ceiling measured here")
+            if rep.vs_datasheet is not None:
+                ledger.record(f"mfu_vs_datasheet_{key}", rep.vs_datasheet, "fraction",
+                              note=f"{rep.datasheet_peak_tflops:g} TFLOP/s dense {rep.precision}")
+    base, top = rows[0]["tokens_per_s"], rows[1]["tokens_per_s"]
+    if math.isfinite(base) and math.isfinite(top) and base > 0:
+        ledger.record("speedup_top_over_fp32", top / base, "x")
+    path = Path(args.results) if args.results else \
+        utils.results_dir() / "06-capstone__train_benchmark.json"
+    return ledger.save(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    train(args, parser)
+    if args.data == "random" and args.vocab_size < 2:
+        parser.error(f"--vocab-size must be at least 2, got {args.vocab_size}")
+    if args.benchmark:
+        benchmark(args, parser)
+    else:
+        train(args, parser)
     return 0
 
 

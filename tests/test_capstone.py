@@ -266,3 +266,44 @@ def test_batches_on_the_device_match_the_host_batches_with_no_copy_per_step():
         assert x.is_contiguous() and y.is_contiguous()
     with pytest.raises(IndexError, match="outside the 4 steps"):
         dev_batches(4)
+
+
+def test_benchmark_runs_the_three_and_prints_one_table(tmp_path, monkeypatch, capsys):
+    """--benchmark's plumbing, with train() stood in for (the real runs are the smoke run's
+    code): three runs, one table with both MFUs and the convention, one ledger."""
+    seen = []
+
+    def fake_train(args, parser):
+        seen.append((args.rung, args.data, args.out, args.results))
+        report = utils.flops.MFUReport(300.0 + len(seen), 700.0, 989.4, "bf16", "NVIDIA H100")
+        return {"tokens_per_s": 50_000.0 * len(seen), "rung": f"rung {len(seen)}",
+                "vocab_size": 50257 if args.data == "random" else 8257,
+                "padded_vocab": 50304 if args.data == "random" else 8320, "report": report}
+
+    monkeypatch.setattr(train, "train", fake_train)
+    args = train.build_parser().parse_args(["--benchmark", "--results",
+                                            str(tmp_path / "bench.json")])
+    rows = train.benchmark(args, train.build_parser())
+    assert [s[:2] for s in seen] == [("fp32", "corpus"), ("top", "corpus"), ("top", "random")]
+    assert all(s[2] == "none" and s[3] == "none" for s in seen), "no checkpoint, no ledger per run"
+    out = capsys.readouterr().out
+    assert "6N + 12 L d T" in out and "MFU measured" in out and "MFU datasheet" in out
+    assert "50257 (50304)" in out and "150,000" in out
+    led = utils.Ledger.load(tmp_path / "bench.json")
+    assert led["speedup_top_over_fp32"] == pytest.approx(2.0)
+    assert led["mfu_vs_datasheet_top_rung_GPT2_vocabulary"] == pytest.approx(303 / 989.4)
+    assert len(rows) == 3
+
+
+def test_random_tokens_at_gpt2_vocabulary(tmp_path):
+    r = _train("--preset", "tiny", "--rung", "fp32", "--data", "random", "--steps", "2",
+               "--log-every", "1", "--no-progress", "--out", "none",
+               "--results", str(tmp_path / "r.json"), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "uniform random tokens, vocabulary 50257 (padded to 50257)" in r.stdout
+    led = utils.Ledger.load(tmp_path / "r.json")
+    assert led["vocab_size"] == 50257 and not list(tmp_path.glob("*.pt"))
+    batches = corpus.RandomTokens(100, seed=1).on_device("cpu", 3, 2, 8)
+    x, y = batches(1)
+    assert torch.equal(x, corpus.RandomTokens(100, seed=1).on_device("cpu", 3, 2, 8)(1)[0])
+    assert x.shape == (2, 8) and int(x.max()) < 100 and torch.equal(x[:, 1:], y[:, :-1])
