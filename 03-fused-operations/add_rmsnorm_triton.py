@@ -13,6 +13,14 @@ script ``triton_interpreter_check.py`` imports it under Triton's interpreter
 (``TRITON_INTERPRET=1``) to check it on a CPU. A torch build without Triton
 (most CPU-only installs) can still import this module: :data:`HAVE_TRITON`
 is then ``False`` and :func:`add_rmsnorm` says why it cannot run.
+
+The same kernel is also a PyTorch operator, :data:`add_rmsnorm_op`
+(``torch.ops.course03.add_rmsnorm``), made with ``torch.library.triton_op`` and
+``torch.library.wrap_triton``: ``torch.compile`` traces through it (and Inductor
+launches the Triton kernel from its generated code), and autograd runs the
+backward registered with ``torch.library.register_autograd``. On CPU tensors
+the operator runs the kernel under the interpreter when it is on, and the
+eager PyTorch version otherwise.
 """
 
 from __future__ import annotations
@@ -38,7 +46,10 @@ LOOP_BLOCK = 4096
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 __all__ = ["HAVE_TRITON", "LaunchConfig", "launch_config", "reference_add_rmsnorm",
-           "add_rmsnorm", "interpreter_active"]
+           "add_rmsnorm", "launch_add_rmsnorm", "add_rmsnorm_backward", "add_rmsnorm_op",
+           "OP_NAME", "interpreter_active"]
+#: The operator's name: ``torch.ops.course03.add_rmsnorm``.
+OP_NAME = "course03::add_rmsnorm"
 
 
 def reference_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -228,8 +239,31 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         raise RuntimeError("these tensors are on the CPU, where a Triton kernel runs only in the "
                            "interpreter: set TRITON_INTERPRET=1 before Triton is imported (as "
                            "triton_interpreter_check.py does), or move the tensors to a GPU")
+    cfg = launch_config(x.shape[-1], block_size, num_warps)
+    # enable_fp_fusion: a multiply and an add may become one FMA, Triton's default so far;
+    # said explicitly because Triton 3.9 warns when it is left unset (its default changes).
+    return launch_add_rmsnorm(_add_rmsnorm_kernel, x, residual, weight, eps, cfg=cfg,
+                              num_warps=cfg.num_warps, enable_fp_fusion=True)
+
+
+def launch_add_rmsnorm(kernel, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float = 1e-6, *, cfg: LaunchConfig | None = None,
+                       **options) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocate ``h`` and ``y`` and launch ``kernel`` with one program per row.
+
+    ``kernel`` is the add + RMSNorm kernel or a wrapper of it: ``triton.autotune``'s (which
+    then chooses ``num_warps`` itself), or ``torch.library.wrap_triton``'s inside a custom
+    operator. The inputs are not checked (:func:`add_rmsnorm` checks them).
+
+    Args:
+        cfg: block width and passes (default: :func:`launch_config` of the row length).
+        **options: launch options for Triton (``num_warps``, ``enable_fp_fusion``).
+
+    Returns:
+        ``(h, y)`` shaped like ``x``.
+    """
     n_cols = x.shape[-1]
-    cfg = launch_config(n_cols, block_size, num_warps)
+    cfg = cfg or launch_config(int(n_cols))
     x2 = x.reshape(-1, n_cols)
     r2 = residual.reshape(-1, n_cols)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -237,11 +271,79 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     w = weight.contiguous()
     h = torch.empty_like(x2, memory_format=torch.contiguous_format)
     y = torch.empty_like(x2, memory_format=torch.contiguous_format)
-    n_rows = x2.shape[0]
-    # enable_fp_fusion: a multiply and an add may become one FMA, Triton's default so far;
-    # said explicitly because Triton 3.9 warns when it is left unset (its default changes).
-    _add_rmsnorm_kernel[(n_rows,)](
+    kernel[(x2.shape[0],)](
         x2, r2, w, h, y, n_cols, x2.stride(0), r2.stride(0), h.stride(0), y.stride(0), eps,
-        BLOCK=cfg.block, SINGLE_PASS=cfg.single_pass, N_BLOCKS=cfg.n_blocks,
-        num_warps=cfg.num_warps, enable_fp_fusion=True)
+        BLOCK=cfg.block, SINGLE_PASS=cfg.single_pass, N_BLOCKS=cfg.n_blocks, **options)
     return h.view(x.shape), y.view(x.shape)
+
+
+def add_rmsnorm_backward(h: torch.Tensor, weight: torch.Tensor, eps: float,
+                         grad_h: torch.Tensor, grad_y: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of ``(h, y) = add_rmsnorm(x, residual, weight, eps)``, from the saved ``h``.
+
+    With ``r = 1 / sqrt(mean(h^2) + eps)`` per row, ``n = h * r`` and ``g = grad_y * weight``:
+    ``dL/dh = grad_h + r * (g - n * mean(g * n))`` (the residual stream's own gradient plus
+    the normalisation's), which is also ``dL/dx`` and ``dL/dresidual`` since ``h = x +
+    residual``; and ``dL/dweight`` is the sum over rows of ``grad_y * n``. Computed in float32,
+    as the forward normalises.
+
+    Returns:
+        ``(grad_x, grad_weight)``: ``grad_x`` in ``h.dtype`` (also the residual's gradient),
+        ``grad_weight`` in ``weight.dtype``.
+    """
+    hf = h.float()
+    r = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    n = hf * r
+    gy = grad_y.float()
+    g = gy * weight.float()
+    grad_h_total = grad_h.float() + r * (g - n * (g * n).mean(-1, keepdim=True))
+    grad_w = (gy * n).reshape(-1, h.shape[-1]).sum(0)
+    return grad_h_total.to(h.dtype), grad_w.to(weight.dtype)
+
+
+#: The kernel as a PyTorch operator (``torch.ops.course03.add_rmsnorm``); ``None`` without Triton.
+add_rmsnorm_op = None
+
+if HAVE_TRITON:
+    from torch.library import register_autograd, triton_op, wrap_triton
+
+    @triton_op(OP_NAME, mutates_args=())
+    def add_rmsnorm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h, y)`` as :func:`add_rmsnorm`, as an operator that torch.compile and autograd know.
+
+        This function is also the operator's fake (shape) implementation, and what Inductor
+        traces: on a GPU a launch of the kernel through ``wrap_triton``, which makes it
+        visible to the compiler; on a CPU the eager PyTorch version, which Inductor fuses.
+        """
+        if x.device.type != "cuda":
+            return reference_add_rmsnorm(x, residual, weight, eps)
+        cfg = launch_config(int(x.shape[-1]))
+        launcher = wrap_triton(_add_rmsnorm_kernel)
+        # Called eagerly, wrap_triton hands back the kernel itself, launched as add_rmsnorm does;
+        # while torch.compile traces, a wrapper that records the launch, which takes no
+        # enable_fp_fusion (Inductor compiles the kernel with Triton's default: FMAs on).
+        options = {"enable_fp_fusion": True} if launcher is _add_rmsnorm_kernel else {}
+        return launch_add_rmsnorm(launcher, x, residual, weight, eps, cfg=cfg,
+                                  num_warps=cfg.num_warps, **options)
+
+    @add_rmsnorm_op.register_kernel("cpu")
+    def _add_rmsnorm_cpu(x, residual, weight, eps):
+        # Eager calls on CPU tensors: the Triton kernel itself where the interpreter is on,
+        # else PyTorch's ops. (torch.compile traces the function above instead.)
+        if interpreter_active():
+            return add_rmsnorm(x, residual, weight, eps)
+        return reference_add_rmsnorm(x, residual, weight, eps)
+
+    def _setup_context(ctx, inputs, output):
+        _, _, weight, eps = inputs
+        ctx.save_for_backward(output[0], weight)      # h, the forward's own output
+        ctx.eps = eps
+
+    def _backward(ctx, grad_h, grad_y):
+        h, weight = ctx.saved_tensors
+        grad_x, grad_w = add_rmsnorm_backward(h, weight, ctx.eps, grad_h, grad_y)
+        return grad_x, grad_x, grad_w, None
+
+    register_autograd(OP_NAME, _backward, setup_context=_setup_context)

@@ -14,6 +14,10 @@ count as data) to show that only awkward sizes catch that bug, and reports how
 far outside the loosest tolerance the course uses (``utils.loosest_tolerance``)
 its error lies.
 
+Last, it calls the kernel as a PyTorch operator (``add_rmsnorm_op``, made with
+``torch.library.triton_op``): on CPU tensors under the interpreter the operator runs the
+same kernel, and its registered backward must match autograd through the eager version.
+
 Notebook ``04_writing_a_triton_kernel`` runs it with ``subprocess``; the test
 suite runs it too. Output: one JSON object on the last line of stdout (also
 written to ``--out``); exit status 0 when every case matches, 1 when one does
@@ -181,6 +185,37 @@ def broken_kernel_check(gen: torch.Generator) -> dict:
     return result
 
 
+def op_check(gen: torch.Generator) -> dict:
+    """The kernel as a ``torch.library`` operator, forward and backward, on CPU tensors.
+
+    Under the interpreter the operator's CPU implementation launches the Triton kernel; the
+    backward is the registered formula. Both are compared with autograd through
+    :func:`add_rmsnorm_triton.reference_add_rmsnorm`, for upstream gradients on ``h`` and ``y``.
+    """
+    shape = (5, 1000)
+    x, r = (torch.randn(shape, generator=gen).requires_grad_() for _ in range(2))
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).requires_grad_()
+    gh, gy = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    got, want = {}, {}
+    for out, fn in ((got, fused.add_rmsnorm_op), (want, fused.reference_add_rmsnorm)):
+        for t in (x, r, w):
+            t.grad = None
+        h, y = fn(x, r, w, EPS)
+        torch.autograd.backward([h, y], [gh, gy])
+        out.update(h=h.detach(), y=y.detach(), x_grad=x.grad, residual_grad=r.grad,
+                   weight_grad=w.grad)
+    errors, excess = [], {}
+    for name in ("y", "x_grad", "residual_grad", "weight_grad"):
+        tol = utils.tolerance(torch.float32, "cpu", scale=want[name])
+        excess[name] = tol.excess(got[name], want[name])
+        if excess[name] > 1:
+            errors.append(f"{name}: {excess[name]:.1f}x the tolerance")
+    if not torch.equal(got["h"], want["h"]):
+        errors.append("h: not bit for bit")
+    return {"op": fused.OP_NAME, "shape": list(shape), "excess": excess, "ok": not errors,
+            "errors": errors}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out: dict = {"interpreter": fused.interpreter_active(), "torch": torch.__version__}
@@ -197,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         out["cases"] = [run_case(tuple(s), d, b, gen, out["bf16_rounding"])
                         for s, d, b in cases]
         out["broken_kernel"] = broken_kernel_check(gen)
-        out["ok"] = all(c["ok"] for c in out["cases"])
+        out["op"] = op_check(gen)
+        out["ok"] = all(c["ok"] for c in out["cases"]) and out["op"]["ok"]
     text = json.dumps(out)
     if args.out:
         Path(args.out).write_text(text, encoding="utf-8")

@@ -177,3 +177,100 @@ def test_kernel_matches_pytorch_on_the_gpu(shape, block, dtype):
     h_ref, y_ref = fused.reference_add_rmsnorm(x, r, w, 1e-6)
     torch.testing.assert_close(h, h_ref, rtol=0, atol=0)  # one rounding of the same fp32 sum
     torch.testing.assert_close(y, y_ref, **utils.tolerance(dtype, x.device, scale=y_ref).kwargs())
+
+
+# -- the kernel as a torch.library operator ----------------------------------------------------
+
+def _op_inputs(shape=(4, 33), dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, r = (torch.randn(shape, generator=g).to(dtype).requires_grad_() for _ in range(2))
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(dtype).requires_grad_()
+    gh, gy = (torch.randn(shape, generator=g).to(dtype) for _ in range(2))
+    return (x, r, w), (gh, gy)
+
+
+def _grads(fn, inputs, upstream):
+    for t in inputs:
+        t.grad = None
+    h, y = fn(*inputs, 1e-6)
+    torch.autograd.backward([h, y], list(upstream))
+    return (h.detach(), y.detach()), [t.grad.clone() for t in inputs]
+
+
+@pytest.mark.skipif(not fused.HAVE_TRITON, reason="Triton is not installed")
+def test_operator_is_registered_and_passes_opcheck():
+    assert fused.add_rmsnorm_op is not None
+    assert torch.ops.course03.add_rmsnorm.default is not None
+    inputs, _ = _op_inputs()
+    result = torch.library.opcheck(fused.add_rmsnorm_op, (*inputs, 1e-6))
+    assert result and all(v == "SUCCESS" for v in result.values()), result
+
+
+@pytest.mark.skipif(not fused.HAVE_TRITON, reason="Triton is not installed")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("use", ["both", "y only"])
+def test_operator_backward_matches_autograd_of_the_reference(dtype, use):
+    inputs, (gh, gy) = _op_inputs((3, 2, 37), dtype)
+    upstream = (gh if use == "both" else torch.zeros_like(gh), gy)
+    (h, y), got = _grads(fused.add_rmsnorm_op, inputs, upstream)
+    (h_ref, y_ref), want = _grads(fused.reference_add_rmsnorm, inputs, upstream)
+    torch.testing.assert_close(h, h_ref, rtol=0, atol=0)
+    torch.testing.assert_close(y, y_ref, **utils.tolerance(dtype, "cpu", scale=y_ref).kwargs())
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **utils.tolerance(dtype, "cpu", scale=w).kwargs())
+
+
+@pytest.mark.skipif(not fused.HAVE_TRITON, reason="Triton is not installed")
+def test_a_backward_without_the_residual_gradient_is_caught_by_far():
+    # the notebook's negative control: grad_h forgotten, caught at 10x the loosest tolerance
+    inputs, (gh, gy) = _op_inputs((8, 100))
+    (h, _), want = _grads(fused.reference_add_rmsnorm, inputs, (gh, gy))
+    bad, _ = fused.add_rmsnorm_backward(h, inputs[2].detach(), 1e-6, torch.zeros_like(gh), gy)
+    assert utils.loosest_tolerance(torch.float32, scale=want[0]).excess(bad, want[0]) >= 10
+    good, _ = fused.add_rmsnorm_backward(h, inputs[2].detach(), 1e-6, gh, gy)
+    assert utils.tolerance(torch.float32, "cpu", scale=want[0]).excess(good, want[0]) < 1
+
+
+@pytest.mark.skipif(not fused.HAVE_TRITON, reason="Triton is not installed")
+def test_operator_compiles_without_a_graph_break():
+    from torch._dynamo.utils import counters
+
+    inputs, upstream = _op_inputs()
+    _, eager = _grads(fused.add_rmsnorm_op, inputs, upstream)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(lambda x, r, w, eps: fused.add_rmsnorm_op(x, r, w, eps),
+                             backend="aot_eager")
+    _, got = _grads(compiled, inputs, upstream)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1
+    for g, w in zip(got, eager):
+        torch.testing.assert_close(g, w, **utils.tolerance(torch.float32, "cpu", scale=w).kwargs())
+
+
+def test_interpreter_check_runs_the_operator(interpreter_result):
+    _, result = interpreter_result
+    if result.get("skipped"):
+        pytest.skip(result["skipped"])
+    assert result["op"]["ok"], result["op"]
+    assert result["op"]["op"] == fused.OP_NAME
+    assert set(result["op"]["excess"]) == {"y", "x_grad", "residual_grad", "weight_grad"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and fused.HAVE_TRITON),
+                    reason="needs a CUDA GPU and Triton")
+def test_compiled_operator_launches_the_triton_kernel_on_the_gpu():
+    x, r = (torch.randn(64, 1000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+    w = torch.ones(1000, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    compiled = torch.compile(lambda x, r, w: fused.add_rmsnorm_op(x, r, w, 1e-6))
+    h, y = compiled(x, r, w)
+    h_ref, y_ref = fused.reference_add_rmsnorm(x, r, w, 1e-6)
+    torch.testing.assert_close(h, h_ref, rtol=0, atol=0)
+    torch.testing.assert_close(y, y_ref, **utils.tolerance(torch.bfloat16, x.device,
+                                                            scale=y_ref).kwargs())
+    y.float().sum().backward()
+    assert x.grad is not None and w.grad is not None
+    counted = utils.count_kernels(lambda: compiled(x, r, w), device="cuda")
+    assert any("add_rmsnorm_kernel" in name for name in counted.by_name), counted
