@@ -188,10 +188,10 @@ RUN_ON_DEVICE = {
     "ladder.measure_ceilings_tflops", "ladder.run_rung", "ladder.run_ladder",
     "memtools.record_memory", "profiling.profile_calls", "timing.cold_l2_benchmark",
     "training.lm_batch", "training.image_batch", "training.first_call_s",
-    "attention.sdpa_backend_used",
+    "attention.sdpa_backend_used", "cli.native_bf16",
 }
 # Result records and helpers that hold a device's name but pass it to no CUDA API.
-RECORDS = {"attention.SDPARun", "amp.TimeBreakdown", "distributed.WorkerInfo", "env.EnvInfo", "env.pick_device",
+RECORDS = {"attention.SDPARun", "cli.resolve_size", "cli.size_tier", "amp.TimeBreakdown", "distributed.WorkerInfo", "env.EnvInfo", "env.pick_device",
            "flops.Ceilings", "kernels.KernelCount", "memory.MemoryResult",
            "memtools.MemoryTimeline", "memtools.timeline_from_snapshot", "memtools.BatchSearch",
            "profiling.ProfiledCalls", "timing.Timing"}

@@ -35,7 +35,7 @@ from .memory import (
     memory_breakdown,
     tensor_bytes,
 )
-from .models import MLP, GPTConfig, SmallCNN, TinyGPT, count_parameters
+from .models import MLP, GPTConfig, SmallCNN, SmallLSTM, TinyGPT, count_parameters
 from .precision import (
     Tolerance,
     TF32State,
@@ -70,7 +70,8 @@ from .training import first_call_s, image_batch, lm_batch, train_step
 from .widgets import explorer
 from .kernels import (ByteCount, KernelCount, count_bytes, count_kernels, enable_cpu_kernel_profile,
                       kernel_names, kernel_source)
-from .attention import BackendStatus, sdpa_backend_status, sdpa_backends
+from .attention import (BackendStatus, SDPARun, sdpa_backend_status, sdpa_backend_used,
+                        sdpa_backends)
 from .timing import (
     NoisyMeasurementWarning,
     SpeedupTable,
@@ -104,7 +105,7 @@ __all__ = [
     "MFUReport", "mfu_report", "datasheet_peak_tflops",
     "plot_roofline",
     # models and data
-    "MLP", "SmallCNN", "GPTConfig", "TinyGPT", "count_parameters", "SyntheticImages",
+    "MLP", "SmallCNN", "GPTConfig", "TinyGPT", "SmallLSTM", "count_parameters", "SyntheticImages",
     "SyntheticTokens", "MarkovTokens", "CPUHeavyImages", "CUDAPrefetcher", "worker_init",
     # precision
     "TF32State", "tf32_state", "set_tf32", "tf32", "fp32_matmul_precision",
@@ -121,7 +122,7 @@ __all__ = [
     # kernels and attention backends
     "ByteCount", "KernelCount", "count_bytes", "count_kernels", "enable_cpu_kernel_profile",
     "kernel_names", "kernel_source",
-    "BackendStatus", "sdpa_backend_status", "sdpa_backends",
+    "BackendStatus", "sdpa_backend_status", "sdpa_backends", "SDPARun", "sdpa_backend_used",
     # ledger
     "Ledger", "Measurement", "Expectation", "ExpectationNotMet", "results_dir",
 ]

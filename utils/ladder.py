@@ -486,16 +486,21 @@ class Trainer:
         wrap: applied to the :class:`LossModule` before compiling, e.g.
             ``lambda m: DistributedDataParallel(m, device_ids=[rank])``; a wrapper with
             ``no_sync()`` skips the gradient all-reduce on all but the last micro-batch.
+        max_grad_norm: clip the gradients' total norm to this before every optimizer step
+            (``torch.nn.utils.clip_grad_norm_``); ``None`` (the default) clips nothing. With
+            fp16's GradScaler the gradients are unscaled first (``scaler.unscale_``), so the
+            norm is the true one, not the scale times it.
 
     Raises:
-        ValueError: CUDA graphs asked for on a device that is not CUDA.
+        ValueError: CUDA graphs asked for on a device that is not CUDA, or a
+            ``max_grad_norm`` that is not a positive number.
     """
 
     def __init__(self, model: nn.Module, cfg: TrainConfig, *, device: str | torch.device,
                  num_classes: int | None = None, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.1,
-                 warmup_steps: int = 0, wrap: Callable[[nn.Module], nn.Module] | None = None
-                 ) -> None:
+                 warmup_steps: int = 0, wrap: Callable[[nn.Module], nn.Module] | None = None,
+                 max_grad_norm: float | None = None) -> None:
         if not isinstance(cfg, TrainConfig):
             raise TypeError(f"cfg must be a TrainConfig, got {type(cfg).__name__}")
         self.device = pick_device(device)
@@ -504,6 +509,11 @@ class Trainer:
                              f"device, not {self.device}")
         if not isinstance(warmup_steps, int) or warmup_steps < 0:
             raise ValueError(f"warmup_steps must be a non-negative int, got {warmup_steps!r}")
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
+                                              and 0 < max_grad_norm < math.inf):
+            raise ValueError(f"max_grad_norm must be a positive number or None, "
+                             f"got {max_grad_norm!r}")
+        self.max_grad_norm = max_grad_norm
         self.cfg = cfg
         self.model = model
         self.loss_module: nn.Module = LossModule(model, num_classes)
@@ -552,6 +562,13 @@ class Trainer:
                     scaled = self.scaler.scale(scaled)
                 scaled.backward()
             total = total + loss.detach()  # an eager copy: safe from a CUDA-graph replay
+        if self.max_grad_norm is not None:
+            if self.scaler is not None:
+                # The gradients hold scale x their value: unscale them in place first, or the
+                # clip would compare the scaled norm with the threshold (and cut every step).
+                # scaler.step() then sees them unscaled and does not unscale them again.
+                self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()

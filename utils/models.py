@@ -1,8 +1,9 @@
 """Reference models shared by every module.
 
 Small enough to run at smoke size on a laptop CPU, shaped like the real thing:
-an MLP, a CNN for 32x32 images, and a GPT-style decoder whose attention is
-:func:`torch.nn.functional.scaled_dot_product_attention`.
+an MLP, a CNN for 32x32 images, a GPT-style decoder whose attention is
+:func:`torch.nn.functional.scaled_dot_product_attention`, and an LSTM language model
+built on :class:`torch.nn.LSTM`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["MLP", "SmallCNN", "GPTConfig", "TinyGPT", "count_parameters"]
+__all__ = ["MLP", "SmallCNN", "GPTConfig", "TinyGPT", "SmallLSTM", "count_parameters"]
 
 
 def count_parameters(model: nn.Module, trainable_only: bool = True) -> int:
@@ -169,4 +170,56 @@ class TinyGPT(nn.Module):
         if targets is None:
             return logits
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return logits, loss
+
+
+class SmallLSTM(nn.Module):
+    """An LSTM language model: token embedding, a stacked :class:`torch.nn.LSTM`, a linear head.
+
+    The recurrent counterpart of :class:`TinyGPT`, with the same interface: token ids
+    ``(B, T)`` in, logits ``(B, T, vocab_size)`` out; with ``targets``, ``(logits, loss)``.
+    Each position sees only the tokens before it (the recurrence runs forwards), so it trains
+    on next-token targets such as :class:`utils.MarkovTokens`'.
+
+    ``nn.LSTM`` runs as one library kernel per layer (cuDNN on a GPU, oneDNN or a loop of
+    cell kernels on a CPU). ``torch.compile`` leaves it to that kernel: Dynamo breaks the
+    graph at the LSTM unless ``torch._dynamo.config.allow_rnn`` is set, which unrolls the
+    recurrence over time instead (a compile that grows with the sequence length).
+
+    Args:
+        vocab_size: tokens in the vocabulary.
+        n_embd: width of the token embedding (the LSTM's input).
+        hidden: the LSTM's hidden size.
+        n_layer: stacked LSTM layers.
+        dropout: dropout between LSTM layers (``nn.LSTM``'s; only with ``n_layer > 1``).
+
+    Raises:
+        ValueError: a size that is not a positive int, or a dropout outside ``[0, 1)``.
+    """
+
+    def __init__(self, vocab_size: int = 512, n_embd: int = 128, hidden: int = 256,
+                 n_layer: int = 2, dropout: float = 0.0) -> None:
+        super().__init__()
+        for name, v in (("vocab_size", vocab_size), ("n_embd", n_embd), ("hidden", hidden),
+                        ("n_layer", n_layer)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+        self.vocab_size = vocab_size
+        self.tok_emb = nn.Embedding(vocab_size, n_embd)
+        self.lstm = nn.LSTM(n_embd, hidden, num_layers=n_layer, batch_first=True,
+                            dropout=dropout if n_layer > 1 else 0.0)
+        self.head = nn.Linear(hidden, vocab_size)
+        nn.init.normal_(self.tok_emb.weight, std=0.1)  # N(0, 1) would saturate the gates
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """Logits ``(B, T, vocab)``; with ``targets``, ``(logits, loss)``."""
+        if idx.dim() != 2:
+            raise ValueError(f"idx must be (batch, time) token ids, got shape {tuple(idx.shape)}")
+        out, _ = self.lstm(self.tok_emb(idx))
+        logits = self.head(out)
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         return logits, loss

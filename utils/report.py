@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
+from .claims import claims_section
 from .ledger import MET, NOT_APPLICABLE, NOT_MET, Ledger, Measurement
 
 __all__ = ["load_ledgers", "scan_results", "markdown_report", "write_report", "parse_train_log",
@@ -244,6 +245,8 @@ def _version_note(led: Ledger) -> str:
         return ""
     name = led.notebook
     path = f"{name}.ipynb" if not name.endswith("/train") else f"{name}.py"
+    if not (REPO_ROOT / path).exists() and (REPO_ROOT / f"{name}.py").exists():
+        path = f"{name}.py"   # a command-line script's ledger (compile_benchmark, amp_training)
     if not (REPO_ROOT / path).exists():
         return ""
     try:
@@ -290,8 +293,12 @@ def markdown_report(ledgers: Sequence[Ledger]) -> str:
         parts += [f"- {led.notebook} ({led.env.get('device_name', '?')}, {_date(led)}): {e.line()}"
                   for led, e in missed]
         parts.append("")
+    # the popular claims, judged by what was measured (and whether the notebook changed since)
+    parts += claims_section(ledgers, version_note=lambda led: {
+        "changed since": "changed since that commit"}.get(_version_note(led), ""))
     parts += ["## Where each notebook was last measured", "",
-              "\"notebook since\": whether the notebook (for the capstone's train.py, the script) "
+              "\"notebook since\": whether the notebook (for a command-line script, such as the "
+              "capstone's train.py, the script) "
               "is unchanged since the commit it was measured at (\"current\") or has changed "
               "since, so that its figures come from an earlier version.", ""]
     parts += _where_table(ledgers) + [""]
