@@ -88,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ledger", default=None, metavar="PATH",
                    help="the notebook's results file, for --rung best (default: "
                         "06-capstone__01_speedup_ladder.json in the course's results folder)")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps (default: 200)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps (default: 200; with --benchmark, 15 for fp32 eager and "
+                        "60 for the others)")
     p.add_argument("--batch-size", type=int, default=None,
                    help="sequences per optimizer step, over all processes (default: preset)")
     p.add_argument("--n-layer", type=int, default=None, help="layers (default: preset)")
@@ -211,6 +213,8 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, world: in
                 "batch_size"):
         if getattr(args, key) is not None:
             sizes[key] = getattr(args, key)
+    if args.steps is None:
+        args.steps = DEFAULT_STEPS
     for key, value in [*sizes.items(), ("steps", args.steps), ("log_every", args.log_every)]:
         if not isinstance(value, int) or value < 1:
             parser.error(f"--{key.replace('_', '-')} must be a positive integer, got {value!r}")
@@ -449,10 +453,12 @@ def write_ledger(args, result, report, *, first_s, flops, ceiling, kind, rung_na
 #: with the fp32 baseline model (hand-written attention, unpadded vocabulary): 6N for the
 #: parameters' matmuls plus the full T x T attention matmuls, the nanoGPT convention.
 BENCHMARK_RUNS = (
-    ("fp32 eager", {"rung": "fp32"}),
-    ("top rung", {"rung": "top"}),
-    ("top rung, GPT-2 vocabulary", {"rung": "top", "data": "random"}),
+    ("fp32 eager", {"rung": "fp32", "steps": 15}),
+    ("top rung", {"rung": "top", "steps": 60}),
+    ("top rung, GPT-2 vocabulary", {"rung": "top", "data": "random", "steps": 60}),
 )
+#: train.py's steps when --steps is not given (--benchmark: each run's own, above).
+DEFAULT_STEPS = 200
 BENCHMARK_CONVENTION = "6N + 12 L d T per token (parameters' matmuls and the full T x T attention)"
 
 
@@ -462,6 +468,8 @@ def benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list
         parser.error("--benchmark measures one process: run it without torchrun")
     rows = []
     for label, overrides in BENCHMARK_RUNS:
+        if args.steps is not None:  # the command line's steps win over each run's own
+            overrides = {**overrides, "steps": args.steps}
         run_args = argparse.Namespace(**{**vars(args), **overrides, "out": "none",
                                          "results": "none", "benchmark": False})
         print(f"\n=== {label} ===", flush=True)

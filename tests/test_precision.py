@@ -213,3 +213,15 @@ def test_tf32_for_cudnn_convolutions(conv, env, expected):
         assert precision.tolerance(torch.float32, "cpu", op="conv").arithmetic == "fp32"
     with pytest.raises(ValueError, match="op must be"):
         precision.tf32_in_effect("cpu", op="attention")
+
+
+def test_norm_excess_judges_the_whole_tensor():
+    e = torch.ones(400)
+    tol = precision.tolerance(torch.float32, "cpu", tf32=True, scale=e)
+    # one element off by 5x what the elementwise rule allows it; the tensor as a whole close
+    a = e.clone()
+    a[7] += 10 * tol.rtol
+    assert tol.excess(a, e) > 1 and tol.norm_excess(a, e) < 1
+    assert tol.norm_excess(e * 1.1, e) == pytest.approx(0.1 / tol.rtol)   # a 10% error fails
+    assert tol.norm_excess(torch.zeros(3), torch.zeros(3)) == 0.0
+    assert tol.norm_excess(torch.ones(3), torch.zeros(3)) == float("inf")
