@@ -122,30 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="set torch._dynamo.config.allow_rnn: compile unrolls nn.LSTM over "
                            "time instead of leaving it to its library kernel (experimental "
                            "in torch; compile time grows with the sequence length)")
-    size = p.add_argument_group("size and device")
-    sz = size.add_mutually_exclusive_group()
-    sz.add_argument("--smoke", action="store_true",
-                    help="small models, short timings (default on a CPU; COURSE_SMOKE=1 too)")
-    sz.add_argument("--full", action="store_true",
-                    help="full-size models (default on a GPU; COURSE_SMOKE=0 too)")
-    size.add_argument("--device", default=None,
-                      help="cpu, cuda or cuda:N (default: the GPU if there is one)")
-    size.add_argument("--min-run-time", type=float, default=None, metavar="S",
-                      help="seconds each timing runs for (default: 0.05 smoke, 0.5 on a GPU)")
-    size.add_argument("--threads", type=int, default=None, metavar="N",
-                      help="CPU threads for torch (default on a CPU: 1, as module 01's "
-                           "notebooks time; on a GPU node: torch's own choice)")
-    out = p.add_argument_group("output")
-    out.add_argument("--results", default=None, metavar="PATH",
-                     help="the ledger (JSON) to write (default: "
-                          "01-torch-compile__compile_benchmark.json in results/local/ or "
-                          "$COURSE_RESULTS_DIR); none writes none")
+    _, out = cli.add_size_and_output_args(
+        p, ledger_file="01-torch-compile__compile_benchmark.json",
+        smoke_what="small models, short timings", run_time_default="0.05 smoke, 0.5 on a GPU",
+        module="module 01")
     out.add_argument("--fresh-cache", action="store_true",
                      help="compile into an empty Inductor cache: cold compile times, as a first "
                           "run on a new machine sees them (default: the cache as it is)")
-    out.add_argument("--no-progress", action="store_true",
-                     help="no progress bar, even on a terminal (a line per result is printed "
-                          "either way)")
     return p
 
 

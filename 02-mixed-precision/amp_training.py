@@ -161,27 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--clip", type=float, default=1.0, metavar="NORM",
                       help="clip the gradients' total norm to NORM in every recipe (default "
                            "1.0; 0 turns clipping off)")
-    size = p.add_argument_group("size and device")
-    sz = size.add_mutually_exclusive_group()
-    sz.add_argument("--smoke", action="store_true",
-                    help="small models, few steps (default on a CPU; COURSE_SMOKE=1 too)")
-    sz.add_argument("--full", action="store_true",
-                    help="full-size models (default on a GPU; COURSE_SMOKE=0 too)")
-    size.add_argument("--device", default=None,
-                      help="cpu, cuda or cuda:N (default: the GPU if there is one)")
-    size.add_argument("--min-run-time", type=float, default=None, metavar="S",
-                      help="seconds each timing runs for (default: 0.2 smoke, 1.0 on a GPU)")
-    size.add_argument("--threads", type=int, default=None, metavar="N",
-                      help="CPU threads for torch (default on a CPU: 1, as module 02's "
-                           "notebooks time; on a GPU node: torch's own choice)")
-    out = p.add_argument_group("output")
-    out.add_argument("--results", default=None, metavar="PATH",
-                     help="the ledger (JSON) to write (default: "
-                          "02-mixed-precision__amp_training.json in results/local/ or "
-                          "$COURSE_RESULTS_DIR); none writes none")
-    out.add_argument("--no-progress", action="store_true",
-                     help="no progress bar, even on a terminal (a line per result is printed "
-                          "either way)")
+    cli.add_size_and_output_args(
+        p, ledger_file="02-mixed-precision__amp_training.json",
+        smoke_what="small models, few steps", run_time_default="0.2 smoke, 1.0 on a GPU",
+        module="module 02")
     return p
 
 

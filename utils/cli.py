@@ -45,6 +45,7 @@ __all__ = [
     "say",
     "text_table",
     "short_error",
+    "add_size_and_output_args",
 ]
 
 #: The built-in models, by the name a command line uses, with the family a claim is about.
@@ -355,3 +356,41 @@ def short_error(exc: BaseException, limit: int = 300) -> str:
     first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
     text = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def add_size_and_output_args(parser: Any, *, ledger_file: str, smoke_what: str,
+                             run_time_default: str, module: str) -> tuple[Any, Any]:
+    """The "size and device" and "output" option groups both command-line benchmarks take.
+
+    Args:
+        parser: the script's ``argparse.ArgumentParser``.
+        ledger_file: the ledger's default file name (``<module>__<script>.json``).
+        smoke_what: what ``--smoke`` runs, in the help text ("small models, short timings").
+        run_time_default: ``--min-run-time``'s defaults, in the help text.
+        module: the module whose notebooks time the same way (for ``--threads``' help).
+
+    Returns:
+        The two groups, for a script to add options of its own to.
+    """
+    size = parser.add_argument_group("size and device")
+    sz = size.add_mutually_exclusive_group()
+    sz.add_argument("--smoke", action="store_true",
+                    help=f"{smoke_what} (default on a CPU; COURSE_SMOKE=1 too)")
+    sz.add_argument("--full", action="store_true",
+                    help="full-size models (default on a GPU; COURSE_SMOKE=0 too)")
+    size.add_argument("--device", default=None,
+                      help="cpu, cuda or cuda:N (default: the GPU if there is one)")
+    size.add_argument("--min-run-time", type=float, default=None, metavar="S",
+                      help=f"seconds each timing runs for (default: {run_time_default})")
+    size.add_argument("--threads", type=int, default=None, metavar="N",
+                      help=f"CPU threads for torch (default on a CPU: 1, as {module}'s "
+                           "notebooks time; on a GPU node: torch's own choice)")
+    out = parser.add_argument_group("output")
+    out.add_argument("--results", default=None, metavar="PATH",
+                     help=f"the ledger (JSON) to write (default: {ledger_file} in results/local/ "
+                          "or $COURSE_RESULTS_DIR); none writes none")
+    out.add_argument("--no-progress", action="store_true",
+                     help="no progress bar, even on a terminal (a line per result is printed "
+                          "either way)")
+    return size, out
+
