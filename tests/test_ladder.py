@@ -222,6 +222,28 @@ def test_count_step_flops_matches_the_formula_and_leaves_the_model_alone():
     assert all(p.device.type == "cpu" and p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("seq_len", [TINY.block_size, TINY.block_size // 2])
+@pytest.mark.parametrize("sdpa", [False, True])
+def test_counted_flops_are_6n_plus_full_attention_less_the_1d_parameters(sdpa, seq_len):
+    """The counter (the capstone's MFU numerator) against utils.flops.gpt_flops, to the FLOP:
+    every matmul forward and backward plus attention over the full T x T square is 6N+attn
+    (nanoGPT's convention) less 6 FLOPs per token for each bias and LayerNorm parameter, which
+    6N counts as if it were a matmul weight."""
+    cfg = dataclasses.replace(TINY, n_layer=2)
+    model = L.gpt_model_fn(cfg, seed=0)(L.TrainConfig(sdpa=sdpa))
+    x, y = utils.lm_batch(cfg, 4, device="cpu", seed=0)
+    x, y = x[:, :seq_len], y[:, :seq_len]
+    counted = L.count_step_flops(model, x, y, num_classes=cfg.vocab_size)
+    gf = utils.flops.gpt_flops(cfg, seq_len=seq_len)
+    d, layers = cfg.n_embd, cfg.n_layer
+    n_1d = sum(p.numel() for p in model.parameters() if p.dim() < 2)
+    assert n_1d == layers * 13 * d + 2 * d  # qkv, proj, fc, fc2 biases + two LayerNorms; ln_f
+    assert gf.n_params == utils.count_parameters(model) - model.pos_emb.weight.numel()
+    tokens = x.numel()
+    assert counted == tokens * (6 * (gf.n_params - n_1d) + 12 * layers * d * seq_len)
+    assert counted == tokens * (gf.per_token("6N+attn") - 6 * n_1d)
+
+
 def test_measure_ceilings_tflops_on_cpu(monkeypatch):
     ceil = L.measure_ceilings_tflops(("fp32", "tf32", "bf16"), "cpu", n=64,
                                      min_run_time_s=0.02, rounds=2)
@@ -260,14 +282,42 @@ def test_run_ladder_eager_rungs_and_a_cuda_rung_skipped_on_cpu(capsys):
     rungs = (L.Rung("fp32 eager", {}), L.Rung("tf32", {"tf32": True}), L.Rung("bf16", {"amp": "bf16"}),
              L.Rung("graphs", {"compile": "reduce-overhead", "accum_steps": 1}, needs_cuda=True),
              L.Rung("sdpa", {"sdpa": True}))
-    results = L.run_ladder(fn, tiny_batch, steps=4, flops_per_step=flops, ceilings=CEIL,
+    seen = []
+
+    def predict(rung, cfg, prev):
+        seen.append((rung.name, None if prev is None else prev.name, len(ran_before)))
+        return L.predict_rung(cfg, prev, flops_per_step=flops, ceilings=CEIL,
+                              attention_swap_ms=0.0)
+
+    ran_before = []
+
+    def batch(step):
+        if step == 0:
+            ran_before.append(step)  # a rung's first step: its prediction came before it
+        return tiny_batch(step)
+
+    results = L.run_ladder(fn, batch, steps=4, flops_per_step=flops, ceilings=CEIL,
                            base=base, rungs=rungs, device="cpu", num_classes=TINY.vocab_size,
                            lr=1e-2, warmup_steps=2, loss_window=2, min_run_time_s=0.05,
-                           progress=False)
+                           progress=False, profile=True, predict=predict)
     assert [r.name for r in results] == ["fp32 eager", "tf32", "bf16", "graphs", "sdpa"]
+    # predicted before each rung that ran, from the last rung that ran, and kept with it
+    assert seen == [("fp32 eager", None, 0), ("tf32", "fp32 eager", 1), ("bf16", "tf32", 2),
+                    ("sdpa", "bf16", 3)]
+    out = capsys.readouterr().out
+    assert "fp32 eager, predicted before it runs: >= " in out and "FLOP bound" in out
+    assert results[0].prediction.bound and results[0].predicted_ms == pytest.approx(
+        results[0].flop_bound_ms)
+    assert results[1].predicted_ms == pytest.approx(results[0].median_ms)  # no TF32: no gain
+    assert results[3].prediction is None and results[4].predicted_ms == results[2].median_ms
+    assert all(r.profile is not None and r.profile.kernels_per_step > 0
+               for r in results if r.ran)
+    # the SDPA rung names the kernel that ran, read from the profiler; the others none
+    assert results[4].sdpa_backend == "FLASH_ATTENTION (CPU)" and "cpu" in results[4].sdpa_run
+    assert not any(r.sdpa_backend for r in results[:4])
     skipped = results[3]
     assert not skipped.ran and "CUDA" in skipped.skipped_reason
-    assert "SKIPPED" in capsys.readouterr().out
+    assert "SKIPPED" in out
     # the rung after a skipped one builds on the last rung that ran
     assert results[4].config == L.TrainConfig(tf32=True, amp="bf16", sdpa=True, accum_steps=2)
     # TF32 on a CPU: it runs, and says it is the same computation
@@ -287,6 +337,13 @@ def test_run_ladder_eager_rungs_and_a_cuda_rung_skipped_on_cpu(capsys):
     assert skipped.items_per_s is None and skipped.mfu is None and skipped.final_loss is None
     table = L.ladder_table(results, ("bf16", CEIL["bf16"]))
     assert "not run here" in table and "vs bf16" in table and "no-op here" in table
+    assert "predicted" in table and ">=" in table.splitlines()[1]
+    assert "SDPA ran FLASH_ATTENTION (CPU)" in table.splitlines()[-1]
+    assert "sheet" not in table
+    sheet = L.ladder_table(results, datasheet={"fp32": CEIL["fp32"] * 2, "bf16": None})
+    assert "sheet" in sheet.splitlines()[0]
+    assert f"{results[0].mfu / 2:.1%}" in sheet.splitlines()[1]      # against twice the ceiling
+    assert sheet.splitlines()[3].split()[9] == "-"                     # bf16: no datasheet figure
     baseline_row = table.splitlines()[1]
     assert "-x" not in baseline_row and " 1.00x " in baseline_row
     assert {"ms/step", "this", "warm-up"} <= set(L.TABLE_COLUMNS)
@@ -313,6 +370,132 @@ def test_run_rung_compiled_counts_one_graph():
     assert isinstance(r.fx_cache_hits, int) and 0 <= r.fx_cache_hits <= 2  # forward, backward
     assert r.peak_bytes is None and "not measured" in r.memory_method  # CPU tracker: eager only
     assert r.items_per_step == 8 and r.item_name == "row"
+
+
+def _tiny_mlp_batch(step, rows=8):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(rows, 8, generator=g), torch.randint(4, (rows,), generator=g)
+
+
+_TORCH_COMPILE = torch.compile
+
+
+def _compile_with(monkeypatch, backend):
+    """Make the Trainer's torch.compile use ``backend`` (fast, no code generation)."""
+    monkeypatch.setattr(torch, "compile",
+                        lambda model, mode=None, dynamic=None: _TORCH_COMPILE(
+                            model, backend=backend, dynamic=dynamic))
+
+
+class _Breaks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(h)
+
+
+def test_graph_count_catches_a_break_a_late_recompile_and_a_silent_eager_fallback(monkeypatch):
+    """The capstone claims one Dynamo graph per compiled rung, at most and at least: the count
+    must see a graph break, a recompile during the timing (the old window ended before it),
+    and a backend failure that torch.compile suppresses (eager speed, no graph)."""
+    _compile_with(monkeypatch, "eager")
+    kw = dict(steps=2, flops_per_step=1000, ceilings=CEIL, device="cpu", num_classes=4,
+              min_run_time_s=0.01, item_name="row")
+    cfg = L.TrainConfig(compile="default")
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    one = L.run_rung("one", cfg, lambda c: copy.deepcopy(mlp), _tiny_mlp_batch, **kw)
+    assert one.graphs_compiled == 1
+    broken = L.run_rung("break", cfg, lambda c: _Breaks(), _tiny_mlp_batch, **kw)
+    assert broken.graphs_compiled >= 2
+    # the timed batch (step `steps`) has another shape: dynamic=False compiles again
+    late = L.run_rung("late", cfg, lambda c: copy.deepcopy(mlp),
+                      lambda step: _tiny_mlp_batch(step, rows=8 if step < 2 else 6), **kw)
+    assert late.graphs_compiled == 2
+
+    def failing_backend(gm, example_inputs):
+        raise RuntimeError("a backend that cannot compile")
+
+    _compile_with(monkeypatch, failing_backend)
+    with torch._dynamo.config.patch(suppress_errors=True):
+        fallback = L.run_rung("fallback", cfg, lambda c: copy.deepcopy(mlp), _tiny_mlp_batch, **kw)
+    assert fallback.ran and all(math.isfinite(v) for v in fallback.losses)
+    assert fallback.graphs_compiled == 0, "an eager fallback compiles no graph"
+
+
+def _profile(wall=100.0, matmul=60.0, other=20.0, busy=90.0, kernels=800.0):
+    from utils.compiletools import StepProfile
+    return StepProfile("p", "GPU kernels", 1, kernels, {"matmul": kernels / 2},
+                       busy, {"matmul": matmul, "attention": 0.0, "optimizer": 5.0,
+                              "copy": 0.0, "other": other}, wall, 1.0)
+
+
+def _ran(cfg, ms=100.0, profile=None, flops=1e12, ceilings=None):
+    ceilings = ceilings or {"fp32": 10.0, "tf32": 80.0, "bf16": 160.0}
+    return L.RungResult("prev", cfg, ran=True, median_ms=ms, items_per_step=1,
+                        flops_per_step=int(flops), ceiling_kind=cfg.ceiling_kind,
+                        ceiling_tflops=ceilings[cfg.ceiling_kind], profile=profile)
+
+
+def test_predict_rung_models_by_hand():
+    ceil = {"fp32": 10.0, "tf32": 80.0, "bf16": 160.0}
+    kw = dict(flops_per_step=1e12, ceilings=ceil)
+    base = L.TrainConfig(accum_steps=4)
+    # the baseline: a bound, FLOPs / ceiling (1e12 FLOP at 10 TFLOP/s: 100 ms)
+    p = L.predict_rung(base, None, **kw)
+    assert p.bound and p.ms == pytest.approx(100.0) and str(p).startswith(">= 100 ms/step")
+    # TF32: Amdahl over the profiled matmul share, 60 of 100 ms, sped up 8x
+    prev = _ran(base, profile=_profile())
+    p = L.predict_rung(dataclasses.replace(base, tf32=True), prev, **kw)
+    assert not p.bound and p.ms == pytest.approx(100 - 60 * (1 - 10 / 80)) and "Amdahl" in p.model
+    # without a profile the share is the MFU: 1e12 FLOP in 200 ms at 10 TFLOP/s is 50%
+    p = L.predict_rung(dataclasses.replace(base, tf32=True), _ran(base, ms=200.0), **kw)
+    assert p.ms == pytest.approx(200 - 100 * (1 - 10 / 80))
+    # bf16 from TF32: the ratio of those two ceilings
+    tf32 = dataclasses.replace(base, tf32=True)
+    p = L.predict_rung(dataclasses.replace(tf32, amp="bf16"), _ran(tf32, profile=_profile()), **kw)
+    assert p.ms == pytest.approx(100 - 60 * (1 - 80 / 160))
+    # SDPA: the two attentions timed alone by the caller; without them, no prediction
+    assert L.predict_rung(dataclasses.replace(base, sdpa=True), prev, **kw) is None
+    p = L.predict_rung(dataclasses.replace(base, sdpa=True), prev, attention_swap_ms=30.0, **kw)
+    assert p.ms == pytest.approx(70.0)
+    p = L.predict_rung(dataclasses.replace(base, sdpa=True), prev, attention_swap_ms=-5.0, **kw)
+    assert p.ms == pytest.approx(105.0) and "+ 5 ms" in p.formula
+    # one micro-batch instead of 4: 3/4 of 800 launches at 5 us = 3 ms, under 10 ms idle
+    one = dataclasses.replace(base, accum_steps=1)
+    p = L.predict_rung(one, prev, launch_us=5.0, **kw)
+    assert p.ms == pytest.approx(100 - 0.75 * 800 * 5e-3)
+    busy = _ran(base, profile=_profile(busy=99.0))       # a busy device hides its launches
+    assert L.predict_rung(one, busy, launch_us=5.0, **kw).ms == pytest.approx(99.0)
+    assert L.predict_rung(one, prev, **kw) is None       # no launch cost measured
+    # compile: half the elementwise kernels' 20 of 100 ms (the assumption, FUSION_SAVES)
+    p = L.predict_rung(dataclasses.replace(one, compile="default"), _ran(one, profile=_profile()),
+                       **kw)
+    assert p.ms == pytest.approx(100 - L.FUSION_SAVES * 20) and "assumed" in p.formula
+    # CUDA graphs after a compiled rung: 800 launches x 5 us = 4 ms, at most the idle 10 ms
+    comp = dataclasses.replace(one, compile="default")
+    p = L.predict_rung(dataclasses.replace(comp, compile="reduce-overhead"),
+                       _ran(comp, profile=_profile()), launch_us=5.0, **kw)
+    assert p.ms == pytest.approx(96.0)
+    # fused AdamW: (80 - 28) B x 1e6 parameters at 100 GB/s = 0.52 ms
+    p = L.predict_rung(dataclasses.replace(comp, fused_adamw=True), _ran(comp), copy_gbs=100.0,
+                       n_params=10**6, **kw)
+    assert p.ms == pytest.approx(100 - 1e6 * 52 / 100e9 * 1e3)
+    assert L.ADAMW_BYTES_PER_PARAM == {"foreach": 80, "fused": 28}
+    # padding: the extra rows' FLOPs at the ceiling (1e9 FLOP at 10 TFLOP/s: 0.1 ms more)
+    p = L.predict_rung(dataclasses.replace(comp, vocab_multiple=128), _ran(comp),
+                       extra_flops_per_step=1e9, **kw)
+    assert p.ms == pytest.approx(100.1)
+    # two kinds of change at once have no model; an unknown ceiling is an error
+    assert L.predict_rung(dataclasses.replace(base, sdpa=True, accum_steps=1), prev,
+                          attention_swap_ms=1.0, launch_us=5.0, **kw) is None
+    with pytest.raises(ValueError, match="ceiling"):
+        L.predict_rung(L.TrainConfig(amp="fp16"), None, **kw)
+    with pytest.raises(ValueError, match="finite"):
+        L.Prediction(float("nan"), "x", "y")
 
 
 def test_run_rung_argument_errors():

@@ -214,8 +214,8 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("flash-attention", "flash attention: 2-4x on transformers",
           (Test((Evidence(_NB_ATTN, "flash_vs_naive_speedup"),
                  Evidence(_NB_LADDER, "bf16_autocast_ms_per_step",
-                          "GPT-2-shaped training step: the capstone ladder's SDPA (flash) rung "
-                          "over the rung before it", ratio_of="sdpa_flash_ms_per_step")),
+                          "GPT-2-shaped training step: the capstone ladder's SDPA rung "
+                          "over the rung before it", ratio_of="sdpa_ms_per_step")),
                 at_least=2.0, quoted_up_to=4.0),)),
     Claim("checkpointing", "gradient checkpointing: 0.8x the speed for 3x less memory",
           (Test((Evidence(_NB_CKPT, "full_checkpoint_step_time_ratio",

@@ -5,7 +5,10 @@ fused AdamW, a padded vocabulary, gradient accumulation). :data:`LADDER` turns t
 one rung at a time, the way a practitioner speeds up a real training loop, and
 :func:`run_ladder` trains any model on any batch function once per rung: the same
 initial weights, the same batches, a loss curve over a fixed number of steps, then
-ms/step, items/s, peak memory and MFU against a measured matmul ceiling.
+ms/step, items/s, peak memory and MFU against a measured matmul ceiling. Before each
+rung runs, :func:`predict_rung` can state its step time from the rung before it and the
+machine's measured costs (matmul ceilings, copy bandwidth, kernel-launch cost), so that
+the table shows the prediction beside the measurement.
 
 The split of work between the runner and your code:
 
@@ -42,6 +45,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .attention import sdpa_backend_used
+from .compiletools import StepProfile, profile_step
 from .env import needs, pick_device, synchronize
 from .flops import count_flops, measure_matmul_tflops
 from .memory import format_bytes, measure_peak_memory, tensor_bytes
@@ -73,6 +78,10 @@ __all__ = [
     "QUICK_CEILING_N_CUDA",
     "run_rung",
     "run_ladder",
+    "Prediction",
+    "predict_rung",
+    "ADAMW_BYTES_PER_PARAM",
+    "FUSION_SAVES",
     "ladder_table",
     "TABLE_COLUMNS",
     "Verdict",
@@ -104,8 +113,10 @@ class TrainConfig:
         tf32: allow TF32 for fp32 matmuls and cuDNN convolutions (:func:`utils.tf32`).
         amp: ``None`` (fp32), ``"bf16"`` (autocast) or ``"fp16"`` (autocast with a
             ``torch.amp.GradScaler``).
-        sdpa: attention through ``F.scaled_dot_product_attention`` (flash kernels on a
-            GPU) instead of a hand-written softmax(QK^T)V. Applied by ``model_fn``.
+        sdpa: attention through ``F.scaled_dot_product_attention`` (one fused kernel:
+            cuDNN's, FlashAttention or memory-efficient attention on a GPU, whichever SDPA
+            picks; its own flash-style kernel on a CPU) instead of a hand-written
+            softmax(QK^T)V. Applied by ``model_fn``.
         compile: ``None`` (eager) or a ``torch.compile`` mode from :data:`COMPILE_MODES`;
             the model and the loss are compiled together, with ``dynamic=False``.
         fused_adamw: ``torch.optim.AdamW(..., fused=True)``: one kernel for the whole update.
@@ -305,8 +316,9 @@ def default_ladder(amp: str = "bf16") -> tuple[Rung, ...]:
              why="fp32 matmuls on tensor cores with a 10-bit mantissa (sm80+ GPUs only)"),
         Rung(amp_name, {"amp": amp}, key="amp",
              why="matmuls in 16-bit, the loss and the weights in fp32"),
-        Rung("SDPA (flash)", {"sdpa": True}, language_model_only=True, key="sdpa",
-             why="one fused attention kernel; never writes the T x T score matrix"),
+        Rung("SDPA", {"sdpa": True}, language_model_only=True, key="sdpa",
+             why="F.scaled_dot_product_attention: one fused kernel (SDPA picks which; the "
+                 "rung records it) that never writes the T x T score matrix"),
         Rung("bigger micro-batch", {"accum_steps": 1}, key="micro-batch",
              why="one large micro-batch instead of accumulating small ones (same batch/step)"),
         Rung("torch.compile", {"compile": "default"}, key="compile",
@@ -703,6 +715,12 @@ class RungResult:
     compiled graphs (forward and backward count apart) Inductor found in its on-disk
     cache; ``noop_reason`` says why the rung computes exactly what the rung before it
     computed on this machine (TF32 where TF32 does not exist), empty otherwise.
+
+    ``prediction`` is the step time stated before the rung ran (:func:`predict_rung`, through
+    :func:`run_ladder`'s ``predict``), ``profile`` one profiled step of the rung (kernels by
+    category, idle time; ``run_rung(profile=True)``), and ``sdpa_backend`` the attention
+    backend SDPA really ran in the forward and backward of a rung with ``config.sdpa``, read from
+    the profiler by :func:`utils.sdpa_backend_used` (``sdpa_run`` says it with the kernels).
     """
 
     name: str
@@ -724,6 +742,22 @@ class RungResult:
     losses: tuple[float, ...] = field(default=(), repr=False)
     loss_window: int = 1
     noop_reason: str = ""
+    prediction: "Prediction | None" = None
+    profile: StepProfile | None = field(default=None, repr=False)
+    sdpa_backend: str = ""
+    sdpa_run: str = ""
+
+    @property
+    def predicted_ms(self) -> float | None:
+        """The step time predicted before the rung ran, or ``None``."""
+        return None if self.prediction is None else self.prediction.ms
+
+    @property
+    def flop_bound_ms(self) -> float | None:
+        """The shortest step its FLOPs allow at the measured ceiling: FLOPs / ceiling."""
+        if not self.flops_per_step or not self.ceiling_tflops:
+            return None
+        return self.flops_per_step / (self.ceiling_tflops * 1e12) * 1e3
 
     @property
     def items_per_s(self) -> float | None:
@@ -793,13 +827,26 @@ def _free_device_memory(dev: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _forward_backward(trainer: Trainer, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+    """One micro-batch's forward and backward, as ``trainer.step`` runs them (for a probe)."""
+    k = trainer.cfg.accum_steps
+    x, y = inputs.chunk(k)[0], targets.chunk(k)[0]
+    if trainer.cfg.uses_cuda_graphs:
+        torch.compiler.cudagraph_mark_step_begin()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    with trainer._autocast():
+        loss = trainer.forward(x, y)
+    loss.backward()
+
+
 def run_rung(name: str, cfg: TrainConfig, model_fn: Callable[[TrainConfig], nn.Module],
              batch_fn: Callable[[int], tuple[torch.Tensor, torch.Tensor]], *, steps: int,
              flops_per_step: int, ceilings: Mapping[str, float],
              device: str | torch.device | None = None, num_classes: int | None = None,
              lr: float = 1e-3, warmup_steps: int = 0, weight_decay: float = 0.1,
              loss_window: int = 1, min_run_time_s: float = 1.0, item_name: str = "token",
-             on_step: Callable[[], None] | None = None) -> RungResult:
+             on_step: Callable[[], None] | None = None, profile: bool = False,
+             probe_sdpa: bool = True) -> RungResult:
     """Train a fresh model for ``steps`` steps under ``cfg``, then time and measure it.
 
     1. ``torch.compiler.reset()`` for a compiled rung, so its compile count is its own;
@@ -815,8 +862,14 @@ def run_rung(name: str, cfg: TrainConfig, model_fn: Callable[[TrainConfig], nn.M
        pools). On a CPU: weights and optimizer state plus a step's own peak, measured with
        :func:`utils.measure_peak_memory` on eager rungs only (its tensor tracker does not
        see inside compiled kernels).
+    5. With ``profile``, one more step under the profiler (:func:`utils.compiletools.profile_step`:
+       kernels per category, busy and idle time), for :func:`predict_rung`. With ``cfg.sdpa``
+       and ``probe_sdpa``, one more forward and backward of a micro-batch, read by
+       :func:`utils.sdpa_backend_used`: which attention kernel SDPA really ran.
 
-    Everything runs inside ``utils.tf32(cfg.tf32)``, restored afterwards.
+    ``graphs_compiled`` counts the Dynamo graphs compiled from the first step to the last
+    call of the rung (the loss curve, the timing and the probes), so that a recompile at any
+    of them counts. Everything runs inside ``utils.tf32(cfg.tf32)``, restored afterwards.
 
     Raises:
         ValueError: bad counts, a batch that does not split into ``cfg.accum_steps``, or a
@@ -854,7 +907,6 @@ def run_rung(name: str, cfg: TrainConfig, model_fn: Callable[[TrainConfig], nn.M
             if on_step:
                 on_step()
         loss_values = tuple(float(v) for v in torch.stack(losses).float().cpu())
-        graphs_after, hits_after = _graphs_compiled(), _fx_cache_hits()
         xt, yt = batch_fn(steps)
         items = int(yt.numel())
         timing = benchmark(trainer.step, xt, yt, label=name, device=dev,
@@ -872,6 +924,11 @@ def run_rung(name: str, cfg: TrainConfig, model_fn: Callable[[TrainConfig], nn.M
         else:
             peak = None
             method = "not measured: the CPU tensor tracker does not see inside compiled kernels"
+        step_profile = (profile_step(trainer.step, xt, yt, steps=1, warmup=0, label=name,
+                                     device=dev) if profile else None)
+        sdpa = (sdpa_backend_used(_forward_backward, trainer, xt, yt, device=dev)
+                if cfg.sdpa and probe_sdpa else None)
+        graphs_after, hits_after = _graphs_compiled(), _fx_cache_hits()
     del trainer, first, losses
     if cfg.compile:
         torch.compiler.reset()  # drop the compiled code and any CUDA-graph memory pool with it
@@ -883,7 +940,9 @@ def run_rung(name: str, cfg: TrainConfig, model_fn: Callable[[TrainConfig], nn.M
         peak_bytes=peak, memory_method=method, warmup_s=warmup_s,
         graphs_compiled=_delta(graphs_before, graphs_after),
         fx_cache_hits=_delta(hits_before, hits_after), losses=loss_values,
-        loss_window=loss_window)
+        loss_window=loss_window, profile=step_profile,
+        sdpa_backend="" if sdpa is None else sdpa.backend,
+        sdpa_run="" if sdpa is None else str(sdpa))
 
 
 def run_ladder(model_fn: Callable[[TrainConfig], nn.Module],
@@ -891,6 +950,9 @@ def run_ladder(model_fn: Callable[[TrainConfig], nn.Module],
                steps: int, flops_per_step: int, ceilings: Mapping[str, float],
                base: TrainConfig | None = None, rungs: Sequence[Rung] = LADDER,
                device: str | torch.device | None = None, progress: bool = True,
+               previous: RungResult | None = None,
+               predict: Callable[[Rung, TrainConfig, RungResult | None],
+                                 "Prediction | None"] | None = None,
                **rung_kwargs: Any) -> list[RungResult]:
     """Climb ``rungs`` from ``base``: each rung adds its changes to the last rung that ran.
 
@@ -899,7 +961,15 @@ def run_ladder(model_fn: Callable[[TrainConfig], nn.Module],
     that only turns TF32 on, on a device without TF32, runs (its timing shows the run-to-run
     noise of the same computation) and says so in ``noop_reason``.
     ``rung_kwargs`` go to :func:`run_rung` (``num_classes``, ``lr``, ``warmup_steps``,
-    ``loss_window``, ``min_run_time_s``, ``item_name``, ...).
+    ``loss_window``, ``min_run_time_s``, ``item_name``, ``profile``, ...).
+
+    Args:
+        previous: the last rung that ran before these (a ladder climbed in several calls):
+            ``base`` defaults to its config, and ``predict`` sees it before the first rung.
+        predict: ``predict(rung, config, last_ran)``, called before each rung that runs, with
+            the last result that ran before it (``None`` before the first): a
+            :class:`Prediction` (e.g. from :func:`predict_rung`), printed before the rung runs
+            and kept in its result, or ``None``.
 
     Returns:
         One :class:`RungResult` per rung, in order; the first is the baseline.
@@ -910,8 +980,11 @@ def run_ladder(model_fn: Callable[[TrainConfig], nn.Module],
     if len(set(names)) != len(names):
         raise ValueError(f"rung names must be unique, got {names}")
     dev = pick_device(device)
+    if base is None and previous is not None:
+        base = previous.config
     current = base if base is not None else TrainConfig()
     results: list[RungResult] = []
+    last_ran = previous
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -928,6 +1001,13 @@ def run_ladder(model_fn: Callable[[TrainConfig], nn.Module],
                 if bar is not None:
                     bar.update(steps)
                 continue
+            prediction = predict(rung, candidate, last_ran) if predict is not None else None
+            if prediction is not None:
+                line = f"{rung.name}, predicted before it runs: {prediction}"
+                if bar is not None:
+                    bar.write(line)
+                else:
+                    print(line)
             if bar is not None:
                 bar.set_postfix_str(rung.name)
             result = run_rung(rung.name, candidate, model_fn, batch_fn, steps=steps,
@@ -936,12 +1016,196 @@ def run_ladder(model_fn: Callable[[TrainConfig], nn.Module],
             if set(candidate.changes_from(current)) == {"tf32"} and not tf32_exists(dev):
                 result = dataclasses.replace(
                     result, noop_reason=f"no TF32 on {dev.type}: the same fp32 matmuls")
+            if prediction is not None:
+                result = dataclasses.replace(result, prediction=prediction)
             results.append(result)
             current = candidate
+            last_ran = result
     finally:
         if bar is not None:
             bar.close()
     return results
+
+
+# ----------------------------------------------------------------------------- predictions
+
+#: Bytes per fp32 parameter one AdamW step reads and writes, as 03-fused-operations/01 counts
+#: them (and checks against the operators torch runs): the default implementation, ``foreach``
+#: on CUDA and the per-parameter loop on a CPU, makes the same eight passes over memory (80 B;
+#: 72 B for a parameter without weight decay, which skips the decay pass); ``fused=True`` makes
+#: one (28 B: reads p, g, m, v; writes p, m, v).
+ADAMW_BYTES_PER_PARAM = {"foreach": 80, "fused": 28}
+#: The share of the step's elementwise kernel time (outside matmuls, attention and the
+#: optimizer) that :func:`predict_rung` assumes Inductor's fusion removes: an assumption, not a
+#: measurement (two elementwise kernels fused into one read and write half the bytes).
+FUSION_SAVES = 0.5
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A rung's step time, stated before the rung runs, and the model that gave it.
+
+    Attributes:
+        ms: predicted milliseconds per optimizer step.
+        model: the model's name, e.g. ``"Amdahl over the matmuls"``.
+        formula: the formula with its numbers, printed beside the prediction.
+        bound: ``True`` when ``ms`` is a lower bound (no step can be faster), not an estimate.
+    """
+
+    ms: float
+    model: str
+    formula: str
+    bound: bool = False
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.ms, (int, float)) and math.isfinite(self.ms)):
+            raise ValueError(f"a prediction needs a finite ms, got {self.ms!r}")
+
+    def __str__(self) -> str:
+        return f"{'>= ' if self.bound else ''}{self.ms:.3g} ms/step ({self.model}: {self.formula})"
+
+
+def _profiled_share(prev: RungResult, category: str) -> float | None:
+    """The share of ``prev``'s profiled step (wall time) that ``category``'s kernels took."""
+    p = prev.profile
+    if p is None or p.wall_ms_per_step <= 0:
+        return None
+    return min(p.kernel_ms_by_category.get(category, 0.0) / p.wall_ms_per_step, 1.0)
+
+
+def _idle_ms(prev: RungResult) -> float | None:
+    """The time of ``prev``'s step its device sat idle under the profiler, scaled to its step."""
+    if prev.profile is None or prev.median_ms is None:
+        return None
+    return prev.profile.idle_fraction * prev.median_ms
+
+
+def predict_rung(cfg: TrainConfig, prev: RungResult | None, *, flops_per_step: float,
+                 ceilings: Mapping[str, float], copy_gbs: float | None = None,
+                 launch_us: float | None = None, n_params: int | None = None,
+                 attention_swap_ms: float | None = None,
+                 extra_flops_per_step: float | None = None) -> Prediction | None:
+    """The step time of ``cfg``, predicted from the last rung that ran (``prev``) and the
+    machine's measured costs, before ``cfg`` runs.
+
+    One simple, stated model per setting, with ``t`` the step time of ``prev``:
+
+    * the baseline (``prev`` is ``None``): a lower bound, ``FLOPs / C``, with ``C`` the
+      measured ceiling of its matmul arithmetic;
+    * ``tf32`` / ``amp`` (a faster matmul arithmetic): Amdahl over the matmuls,
+      ``t - f t (1 - C_old / C_new)``: the matmuls, a share ``f`` of ``prev``'s profiled step
+      (without a profile: its MFU, the share their FLOPs take at the ceiling), speed up by
+      the ratio of the measured ceilings; nothing else changes. At most ``C_new / C_old``;
+    * ``sdpa``: ``t - attention_swap_ms``, the hand-written attention's time less SDPA's per
+      step, which the caller times alone at the rung's shapes;
+    * ``accum_steps`` (fewer, larger micro-batches: the same FLOPs and bytes): the launches of
+      the micro-batches that no longer run, ``(1 - k_new / k_old) x kernels x launch cost``,
+      at most the time ``prev``'s device sat idle (a busy GPU hides its launches);
+    * ``compile`` from eager: Inductor fuses the elementwise work; the model assumes it saves
+      :data:`FUSION_SAVES` of the kernel time outside the matmuls, attention and optimizer
+      (on a CPU the optimizer's per-parameter operators count as elementwise work there);
+    * ``compile`` to a CUDA-graph mode from a compiled rung: the launches of the step's kernels
+      vanish, ``kernels x launch cost``, at most the idle time;
+    * ``fused_adamw``: the bytes no longer moved, ``n_params x (80 - 28) B / copy bandwidth``
+      (:data:`ADAMW_BYTES_PER_PARAM`);
+    * ``vocab_multiple``: the padded rows' FLOPs at the ceiling, ``t + extra / C``; whatever an
+      aligned shape buys is what the measurement adds.
+
+    Args:
+        cfg: the rung about to run.
+        prev: the last rung that ran before it (its ``profile`` feeds the kernel-time models).
+        flops_per_step / ceilings: as for :func:`run_rung`.
+        copy_gbs: the machine's measured copy bandwidth, GB/s (fused AdamW).
+        launch_us: the measured cost of one kernel launch, microseconds.
+        n_params: the parameters AdamW updates.
+        attention_swap_ms: the hand-written attention's time less SDPA's, per optimizer step.
+        extra_flops_per_step: the FLOPs the padded rows add per step.
+
+    Returns:
+        The :class:`Prediction`, or ``None`` where its model lacks an input (a profile, a
+        measured cost) or several kinds of setting changed at once.
+    """
+    if cfg.ceiling_kind not in ceilings:
+        raise ValueError(f"no measured ceiling for {cfg.ceiling_kind!r}; ceilings has "
+                         f"{sorted(ceilings)}")
+    c_new = ceilings[cfg.ceiling_kind]
+    if prev is None:
+        ms = flops_per_step / (c_new * 1e12) * 1e3
+        return Prediction(ms, "FLOP bound", f"{flops_per_step / 1e9:.4g} GFLOP / {c_new:.3g} "
+                          f"TFLOP/s ({cfg.ceiling_kind} ceiling)", bound=True)
+    if not prev.ran or prev.median_ms is None:
+        raise ValueError(f"prev ({prev.name!r}) must be a rung that ran")
+    t = prev.median_ms
+    changed = set(cfg.changes_from(prev.config))
+    if not changed:
+        return Prediction(t, "no change", f"the same settings as {prev.name!r}")
+    if changed <= {"tf32", "amp"}:
+        c_old = ceilings[prev.ceiling_kind]
+        share = _profiled_share(prev, "matmul")
+        src = f"the matmul kernels' share of the profiled {prev.name} step"
+        if share is None:
+            share, src = min(prev.mfu or 0.0, 1.0), f"the MFU of {prev.name}"
+        ms = t - share * t * (1 - c_old / c_new)
+        return Prediction(ms, "Amdahl over the matmuls",
+                          f"{t:.3g} ms - {share:.0%} x {t:.3g} ms x (1 - {c_old:.3g} / {c_new:.3g} "
+                          f"TFLOP/s), {share:.0%} = {src}; {prev.ceiling_kind} -> "
+                          f"{cfg.ceiling_kind} ceilings")
+    if changed == {"sdpa"}:
+        if attention_swap_ms is None:
+            return None
+        return Prediction(t - attention_swap_ms, "attention swapped",
+                          f"{t:.3g} ms {'-' if attention_swap_ms >= 0 else '+'} "
+                          f"{abs(attention_swap_ms):.3g} ms (the old attention's time "
+                          f"{'less' if attention_swap_ms >= 0 else 'below'} the new one's per "
+                          "step, each timed alone)")
+    if changed == {"accum_steps"}:
+        idle = _idle_ms(prev)
+        if launch_us is None or idle is None:
+            return None
+        frac = 1 - cfg.accum_steps / prev.config.accum_steps
+        kernels = prev.profile.kernels_per_step
+        saving = frac * kernels * launch_us / 1e3
+        if saving > 0:
+            saving = min(saving, idle)
+        return Prediction(t - saving, "launches saved",
+                          f"{t:.3g} ms - min({frac:.2f} x {kernels:.0f} kernels x {launch_us:.3g} "
+                          f"us, {idle:.3g} ms idle)")
+    if changed == {"compile"}:
+        if cfg.compile is not None and prev.config.compile is None:
+            other = _profiled_share(prev, "other")
+            if other is None or cfg.uses_cuda_graphs:  # fusion and graphs at once: no split
+                return None
+            return Prediction(t - FUSION_SAVES * other * t, "elementwise work fused",
+                              f"{t:.3g} ms - {FUSION_SAVES:g} x {other:.0%} x {t:.3g} ms, "
+                              f"{other:.0%} = the elementwise kernels' share of the profiled "
+                              f"{prev.name} step, {FUSION_SAVES:g} assumed")
+        if cfg.uses_cuda_graphs and prev.config.compile and not prev.config.uses_cuda_graphs:
+            idle = _idle_ms(prev)
+            if launch_us is None or idle is None:
+                return None
+            kernels = prev.profile.kernels_per_step
+            saving = min(kernels * launch_us / 1e3, idle)
+            return Prediction(t - saving, "launches replayed",
+                              f"{t:.3g} ms - min({kernels:.0f} kernels x {launch_us:.3g} us, "
+                              f"{idle:.3g} ms idle)")
+        return None
+    if changed == {"fused_adamw"}:
+        if copy_gbs is None or n_params is None:
+            return None
+        sign = 1 if cfg.fused_adamw else -1
+        saved = ADAMW_BYTES_PER_PARAM["foreach"] - ADAMW_BYTES_PER_PARAM["fused"]
+        saving = sign * n_params * saved / (copy_gbs * 1e9) * 1e3
+        return Prediction(t - saving, "optimizer bytes saved",
+                          f"{t:.3g} ms {'-' if sign > 0 else '+'} {n_params / 1e6:.3g} M params x "
+                          f"{saved} B / {copy_gbs:.3g} GB/s")
+    if changed == {"vocab_multiple"}:
+        if extra_flops_per_step is None:
+            return None
+        extra_ms = extra_flops_per_step / (c_new * 1e12) * 1e3
+        return Prediction(t + extra_ms, "padded rows' FLOPs",
+                          f"{t:.3g} ms + {extra_flops_per_step / 1e9:.3g} GFLOP / {c_new:.3g} "
+                          f"TFLOP/s")
+    return None
 
 
 # ----------------------------------------------------------------------------- reading results
@@ -1030,8 +1294,11 @@ TABLE_COLUMNS = {
     "total": "speedup over the first rung (the baseline): its ms/step / this rung's",
     "this": "speedup over the last rung that ran before it: what this rung added",
     "peak mem": "peak memory of the rung (the memory panel's title says how it was measured)",
+    "predicted": "ms/step predicted before the rung ran (utils.ladder.predict_rung; >= a bound)",
     "MFU": "model FLOPs per second / the measured matmul ceiling of the rung's own dtype",
     "vs <ref>": "the same FLOP/s against one reference ceiling (e.g. bf16) for every rung",
+    "sheet": "the same FLOP/s against the datasheet's dense peak for the rung's own dtype "
+             "(GPUs in utils.DATASHEET_TFLOPS only)",
     "warm-up": "the first step, apart: compilation, allocation, autotuning",
     "graphs": "Dynamo graphs compiled during the rung (0 for eager)",
     "loss": "the final loss: the mean of the loss curve's last loss_window steps",
@@ -1039,19 +1306,28 @@ TABLE_COLUMNS = {
 
 
 def ladder_table(results: Sequence[RungResult],
-                 reference: tuple[str, float] | None = None) -> str:
+                 reference: tuple[str, float] | None = None,
+                 datasheet: Mapping[str, float | None] | None = None) -> str:
     """A text table: one row per rung, speedups against the first (baseline) rung.
 
-    The columns are described in :data:`TABLE_COLUMNS`; a rung that is a no-op on this
-    machine is marked, and a rung that did not run says why.
+    The columns are described in :data:`TABLE_COLUMNS`; the ``predicted`` column appears when
+    a rung carries a prediction, the ``sheet`` column when ``datasheet`` (the dense peak per
+    matmul kind, e.g. from :func:`utils.datasheet_peak_tflops`) has a figure for a rung. A rung
+    that is a no-op on this machine is marked, a rung that did not run says why, and a rung
+    whose SDPA backend differs from the rung before it names the backend that ran.
     """
     if not results:
         raise ValueError("ladder_table needs at least one result")
     _check_reference(reference)
     base = results[0]
     unit = f"{base.item_name}s/s"
-    head = (f"{'rung':<27} {'ms/step':>9} {unit:>12} {'total':>7} {'this':>6} {'peak mem':>10} "
+    show_pred = any(r.prediction is not None for r in results)
+    sheet = {k: v for k, v in (datasheet or {}).items() if v}
+    show_sheet = any(r.ceiling_kind in sheet for r in results if r.ran)
+    head = (f"{'rung':<27} {'ms/step':>9} " + (f"{'predicted':>10} " if show_pred else "")
+            + f"{unit:>12} {'total':>7} {'this':>6} {'peak mem':>10} "
             f"{'MFU':>6} " + (f"{'vs ' + reference[0]:>7} " if reference else "")
+            + (f"{'sheet':>6} " if show_sheet else "")
             + f"{'warm-up':>8} {'graphs':>6} {'loss':>7}")
     lines = [head]
     prev = None
@@ -1064,13 +1340,26 @@ def ladder_table(results: Sequence[RungResult],
         mem = format_bytes(r.peak_bytes) if r.peak_bytes is not None else "n/a"
         vs_ref = f"{_fmt(r.mfu_against(reference[1]), '7.1%')} " if reference else ""
         this_s = f"{this:5.2f}x" if this is not None else f"{'-':>6}"
+        pred = ""
+        if show_pred:
+            p = r.prediction
+            pred = (f"{'-':>10} " if p is None else
+                    f"{('>=' if p.bound else '') + format(p.ms, '.1f'):>10} ")
+        vs_sheet = ""
+        if show_sheet:
+            peak = sheet.get(r.ceiling_kind)
+            vs_sheet = f"{_fmt(r.mfu_against(peak) if peak else None, '6.1%'):>6} "
+        notes = []
+        if r.noop_reason:
+            notes.append(f"no-op here: {r.noop_reason}")
+        if r.sdpa_backend and (prev is None or prev.sdpa_backend != r.sdpa_backend):
+            notes.append(f"SDPA ran {r.sdpa_backend}")
         lines.append(
-            f"{r.name:<27} {_fmt(r.median_ms, '9.1f')} {_fmt(r.items_per_s, '12,.0f')} "
+            f"{r.name:<27} {_fmt(r.median_ms, '9.1f')} {pred}{_fmt(r.items_per_s, '12,.0f')} "
             f"{_fmt(total, '6.2f')}x {this_s} {mem:>10} {_fmt(r.mfu, '6.1%')} "
-            f"{vs_ref}{_fmt(r.warmup_s, '7.1f')}s "
+            f"{vs_ref}{vs_sheet}{_fmt(r.warmup_s, '7.1f')}s "
             f"{'-' if r.graphs_compiled is None else r.graphs_compiled:>6} "
-            f"{_fmt(r.final_loss, '7.4f')}" + (f"  (no-op here: {r.noop_reason})"
-                                                if r.noop_reason else ""))
+            f"{_fmt(r.final_loss, '7.4f')}" + (f"  ({'; '.join(notes)})" if notes else ""))
         prev = r
     return "\n".join(lines)
 
