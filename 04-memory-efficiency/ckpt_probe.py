@@ -15,15 +15,26 @@ Notebook ``05_checkpoints_and_loading`` runs this script with ``subprocess``:
     Loads a ``utils.TinyGPT`` checkpoint (a ``state_dict``) into a model and
     reports this process's peak resident memory, from the operating system's
     own accounting (``VmHWM`` in ``/proc/self/status``, or ``ru_maxrss``),
-    above what it held after importing torch. ``--mode plain`` is the usual
-    recipe: build the model (its memory is allocated and initialised), then
-    ``model.load_state_dict(torch.load(path, weights_only=True))``.
-    ``--mode mmap`` builds the model on the meta device (no memory), maps the
-    file with ``torch.load(..., mmap=True)`` and hands the mapped tensors to
-    the model with ``load_state_dict(..., assign=True)``. Both then read every
-    weight once (a checksum, timed separately as ``checksum_s``: with ``mmap``
-    the file is read there, on first touch), so that the model is really
-    usable, and print a JSON result as the last line of stdout.
+    above what it held after importing torch. Three recipes, each changing one
+    thing from the one before:
+
+    - ``--mode plain``, the usual recipe: build the model (its memory is
+      allocated and initialised), then
+      ``model.load_state_dict(torch.load(path, weights_only=True))``, which
+      copies the loaded tensors into it;
+    - ``--mode meta``: build the model on the meta device (no memory), load the
+      file as usual and hand the loaded tensors to the model with
+      ``load_state_dict(..., assign=True)`` (no copy);
+    - ``--mode mmap``: the same, with ``torch.load(..., mmap=True)``: the
+      tensors are views of the file mapped into memory, read when first touched.
+
+    Each then runs the model once on one token (its first output: every weight
+    is read) and reads every weight again (a checksum), timed separately, and
+    prints a JSON result as the last line of stdout. On Linux the result also
+    splits resident memory into anonymous pages (``RssAnon``: memory the
+    process allocated) and file-backed pages (``RssFile``: pages of mapped
+    files, which the kernel can drop and read again), before the load, after
+    it, after the first output and at the end; elsewhere ``"rss"`` is ``null``.
 
 ``make``
     Writes a TinyGPT ``state_dict`` of the given size for ``load``.
@@ -47,6 +58,24 @@ if str(REPO) not in sys.path:  # run as a script from anywhere: the course's uti
     sys.path.insert(0, str(REPO))
 
 
+#: The load recipes, each changing one thing from the one before (see the module docstring).
+LOAD_MODES = ("plain", "meta", "mmap")
+
+
+def rss_breakdown() -> dict[str, int] | None:
+    """This process's resident memory by kind, in bytes, from ``/proc/self/status`` (Linux):
+    ``anon`` (``RssAnon``: allocated memory), ``file`` (``RssFile``: pages of mapped files)
+    and ``shmem`` (``RssShmem``). ``None`` where the kernel does not report them."""
+    keys = {"RssAnon": "anon", "RssFile": "file", "RssShmem": "shmem"}
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            fields = {keys[k]: int(v.split()[0]) * 1024 for k, _, v in
+                      (line.partition(":") for line in fh) if k in keys}
+    except OSError:
+        return None
+    return fields if len(fields) == len(keys) else None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -66,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         q.add_argument("--vocab-size", type=int, default=8192)
         q.add_argument("--block-size", type=int, default=256)
         if name == "load":
-            q.add_argument("--mode", choices=("plain", "mmap"), required=True)
+            q.add_argument("--mode", choices=LOAD_MODES, required=True)
     args = p.parse_args(argv)
     for name in ("mib", "throttle_mib_s", "n_layer", "n_embd", "n_head", "vocab_size",
                  "block_size"):
@@ -158,21 +187,30 @@ def cmd_load(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     torch.set_num_threads(1)
-    # Warm up every code path once at a tiny size: the first meta-device model, the first
-    # torch.load and the first load_state_dict import modules and build tables (tens of MiB)
-    # that have nothing to do with the checkpoint's size.
+    # Warm up this recipe's code path once at a tiny size: the first meta-device model, the first
+    # torch.load, the first load_state_dict and the first forward pass import modules and build
+    # tables (tens of MiB) that have nothing to do with the checkpoint's size. Only this
+    # recipe's path: the plain recipe need not pay for the meta device's first use.
     tiny = utils.GPTConfig(vocab_size=16, block_size=4, n_layer=1, n_head=1, n_embd=8)
     warm = Path(args.path).with_name(Path(args.path).name + ".warmup.pt")
     torch.save(utils.TinyGPT(tiny).state_dict(), warm)
-    for mmap in (False, True):
+    if args.mode == "plain":
+        m = utils.TinyGPT(tiny)
+        m.load_state_dict(torch.load(warm, weights_only=True, map_location="cpu"))
+    else:
         with torch.device("meta"):
             m = utils.TinyGPT(tiny)
-        m.load_state_dict(torch.load(warm, weights_only=True, mmap=mmap), assign=True)
-        utils.TinyGPT(tiny).load_state_dict(torch.load(warm, weights_only=True, mmap=mmap))
+        m.load_state_dict(torch.load(warm, weights_only=True, mmap=args.mode == "mmap",
+                                     map_location="cpu"), assign=True)
+        m.head.weight = m.tok_emb.weight
+    with torch.no_grad():
+        m.eval()(torch.zeros(1, 1, dtype=torch.long))
+        sum(float(p.sum()) for p in m.parameters())
     del m
     warm.unlink()
     reset = reset_peak_host_memory()
     before = host_memory()
+    rss = {"before": rss_breakdown()}
     t0 = time.perf_counter()
     if args.mode == "plain":
         model = utils.TinyGPT(cfg)  # allocated and initialised, then overwritten
@@ -180,20 +218,29 @@ def cmd_load(args: argparse.Namespace) -> int:
     else:
         with torch.device("meta"):
             model = utils.TinyGPT(cfg)  # shapes only: no memory, no initialisation
-        state = torch.load(args.path, weights_only=True, mmap=True, map_location="cpu")
+        state = torch.load(args.path, weights_only=True, mmap=args.mode == "mmap",
+                           map_location="cpu")
         model.load_state_dict(state, assign=True)
         del state
         # assign=True put the file's tensors in place one key at a time: the tied head and
         # embedding are now two Parameters (sharing storage); tie them again.
         model.head.weight = model.tok_emb.weight
     load_s = time.perf_counter() - t0
+    rss["loaded"] = rss_breakdown()
+    # The first output: one token through the model reads every weight (the tied head is the
+    # whole embedding). With mmap=True the file's pages are read here, on first touch, not in
+    # the load above: compare load_s + first_output_s between the recipes, not load_s alone.
     t1 = time.perf_counter()
     with torch.no_grad():
-        checksum = sum(float(p.double().sum()) for p in model.parameters())  # reads every weight
-    # With mmap=True the file's pages are read here, on first touch, not in the load above:
-    # compare load_s + checksum_s between the recipes, not load_s alone.
-    checksum_s = time.perf_counter() - t1
+        model.eval()(torch.zeros(1, 1, dtype=torch.long))
+    first_output_s = time.perf_counter() - t1
+    rss["first_output"] = rss_breakdown()
+    t2 = time.perf_counter()
+    with torch.no_grad():  # reads every weight (an fp32 sum: an fp64 one would copy each weight)
+        checksum = sum(float(p.sum()) for p in model.parameters())
+    checksum_s = time.perf_counter() - t2
     after = host_memory()
+    rss["end"] = rss_breakdown()
     base = before.rss_bytes if (reset and before.rss_bytes is not None) else before.peak_rss_bytes
     result = {
         "mode": args.mode,
@@ -205,8 +252,10 @@ def cmd_load(args: argparse.Namespace) -> int:
         "peak_above_start_bytes": after.peak_rss_bytes - base,
         "peak_reset": reset,
         "load_s": load_s,
+        "first_output_s": first_output_s,
         "checksum_s": checksum_s,
         "checksum": checksum,
+        "rss": rss if all(v is not None for v in rss.values()) else None,
         "tied": model.head.weight is model.tok_emb.weight,
         "n_parameters": len(list(model.parameters())),
         "method": after.method,

@@ -41,7 +41,7 @@ def test_alloc_probe_rejects_bad_arguments():
     assert r.returncode != 0 and "--blocks must be >= 1" in r.stderr
 
 
-def test_ckpt_probe_plain_and_mmap_load_the_same_model(tmp_path):
+def test_ckpt_probe_plain_meta_and_mmap_load_the_same_model(tmp_path):
     import utils
     from utils.checkpoint import atomic_save
 
@@ -50,13 +50,26 @@ def test_ckpt_probe_plain_and_mmap_load_the_same_model(tmp_path):
     atomic_save(utils.TinyGPT(cfg).state_dict(), path)  # what `ckpt_probe.py make` writes
     res = {mode: json.loads(_run("ckpt_probe.py", "load", "--path", str(path), "--mode", mode,
                                  *SMALL).strip().splitlines()[-1])
-           for mode in ("plain", "mmap")}
-    assert res["plain"]["checksum"] == res["mmap"]["checksum"]
-    assert res["plain"]["tied"] and res["mmap"]["tied"]
-    assert res["plain"]["n_parameters"] == res["mmap"]["n_parameters"]
+           for mode in ("plain", "meta", "mmap")}
+    assert len({r["checksum"] for r in res.values()}) == 1
+    assert all(r["tied"] for r in res.values())
+    assert len({r["n_parameters"] for r in res.values()}) == 1
     assert all(r["peak_above_start_bytes"] >= 0 and r["file_bytes"] > 0 for r in res.values())
-    assert all(r["load_s"] >= 0 and r["checksum_s"] >= 0 for r in res.values())
+    assert all(min(r["load_s"], r["first_output_s"], r["checksum_s"]) >= 0 for r in res.values())
     assert not list(tmp_path.glob("*.warmup.pt"))
+    for r in res.values():  # RssAnon/RssFile at four moments on Linux, None elsewhere
+        if sys.platform.startswith("linux"):
+            assert set(r["rss"]) == {"before", "loaded", "first_output", "end"}
+            assert all(set(v) == {"anon", "file", "shmem"} and min(v.values()) >= 0
+                       for v in r["rss"].values())
+        else:
+            assert r["rss"] is None
+
+
+def test_ckpt_probe_rejects_an_unknown_load_mode(tmp_path):
+    r = subprocess.run([sys.executable, str(MODULE / "ckpt_probe.py"), "load", "--path",
+                        str(tmp_path / "m.pt"), "--mode", "lazy"], capture_output=True, text=True)
+    assert r.returncode != 0 and "invalid choice: 'lazy'" in r.stderr
 
 
 def test_ckpt_probe_killed_mid_write(tmp_path):

@@ -86,6 +86,8 @@ from . import ladder  # noqa: E402  (the capstone's speedup ladder: utils.ladder
 from . import compiletools  # noqa: E402  (module 01's compile helpers: utils.compiletools)
 from . import collectives  # noqa: E402  (counting collectives: utils.collectives)
 from . import sizes  # noqa: E402  (sizes derived from the machine: utils.sizes)
+from . import losses  # noqa: E402  (memory-lean losses: utils.losses)
+from .losses import chunked_linear_cross_entropy  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -115,6 +117,8 @@ __all__ = [
     "dtype_name", "rel_error", "CPUPrecisionSupport", "cpu_precision_support", "AtenOpCounter",
     "count_aten_ops", "fp8_matmul_api", "fp8_matmul", "LossGap", "loss_gap", "TimingJob",
     "best_of_rounds", "TimeBreakdown", "time_breakdown",
+    # losses (utils.losses)
+    "chunked_linear_cross_entropy",
     # training
     "lm_batch", "image_batch", "train_step", "first_call_s",
     # plots and widgets

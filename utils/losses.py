@@ -1,0 +1,181 @@
+"""Losses that keep a language model's logits from filling memory.
+
+A language model's last step multiplies every token's hidden state by the output
+matrix (``V x C``) and takes the cross-entropy of the resulting logits. Written
+plainly, ``F.cross_entropy(hidden @ weight.T, targets)`` makes tensors of
+``tokens x V`` values: the logits, the log-probabilities cross-entropy saves for
+backward, and in backward the gradient of the log-probabilities and the gradient
+of the logits (module 04, notebook 1, measures all four). With a vocabulary of
+tens of thousands of entries they are the largest tensors of a training step.
+
+:func:`chunked_linear_cross_entropy` computes the same loss and the same
+gradients a chunk of tokens at a time. The forward pass keeps only one number
+per token (the log-sum-exp of its logits); the backward pass computes each
+chunk's logits again, turns them into the gradient of the logits in place, and
+adds that chunk's share to the gradients of the hidden states and of the
+weight. No ``tokens x V`` tensor ever exists whole: the logits exist one chunk
+(``chunk_tokens x V``) at a time. The price is the output matmul run twice (once
+more in backward), a third more FLOPs for this layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["chunked_linear_cross_entropy"]
+
+_REDUCTIONS = ("mean", "sum")
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the matmul runs in: the autocast dtype where autocast is on for the
+    tensors' device type (as ``hidden @ weight.T`` would), else the tensors' own."""
+    dev = hidden.device.type
+    if torch.is_autocast_enabled(dev) and hidden.is_floating_point():
+        return torch.get_autocast_dtype(dev)
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same "
+                         "dtype outside autocast, as for hidden @ weight.T")
+    return hidden.dtype
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """``cross_entropy(hidden @ weight.T, targets)`` in chunks of rows, logits recomputed in
+    backward. ``hidden`` is ``(N, C)``, ``weight`` ``(V, C)``, ``targets`` ``(N,)``."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk, ignore_index, reduction, cdt):
+        acc = torch.float64 if cdt == torch.float64 else torch.float32
+        dev = hidden.device.type
+        n = hidden.shape[0]
+        valid = targets != ignore_index
+        safe = torch.where(valid, targets, torch.zeros_like(targets))  # ignored rows: class 0
+        lse = torch.empty(n, dtype=acc, device=hidden.device)
+        total = torch.zeros((), dtype=acc, device=hidden.device)
+        with torch.autocast(device_type=dev, enabled=False):
+            w = weight.to(cdt)
+            for start in range(0, n, chunk):
+                sl = slice(start, start + chunk)
+                logits = torch.mm(hidden[sl].to(cdt), w.t()).to(acc)  # (chunk, V): the only one
+                picked = logits.gather(1, safe[sl].unsqueeze(1)).squeeze(1)
+                top = logits.amax(dim=1, keepdim=True)
+                logits.sub_(top).exp_()  # in place: no second (chunk, V) tensor
+                chunk_lse = logits.sum(dim=1).log_().add_(top.squeeze(1))
+                lse[sl] = chunk_lse
+                total += torch.where(valid[sl], chunk_lse - picked, 0).sum()
+                del logits
+        n_valid = valid.sum().to(acc)
+        ctx.save_for_backward(hidden, weight, safe, valid, lse, n_valid)
+        ctx.chunk, ctx.cdt, ctx.reduction = chunk, cdt, reduction
+        return total / n_valid if reduction == "mean" else total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, safe, valid, lse, n_valid = ctx.saved_tensors
+        cdt, chunk = ctx.cdt, ctx.chunk
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        acc = lse.dtype
+        n = hidden.shape[0]
+        g = grad_out.to(acc)
+        if ctx.reduction == "mean":
+            g = g / n_valid
+        # d loss / d logits = g * (softmax - one_hot(target)) on valid rows, 0 on ignored ones
+        row_scale = torch.where(valid, g, torch.zeros((), dtype=acc, device=lse.device))
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
+        minus_one = torch.full((1, 1), -1.0, dtype=acc, device=lse.device)
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            w = weight.to(cdt)
+            for start in range(0, n, chunk):
+                sl = slice(start, start + chunk)
+                h = hidden[sl].to(cdt)
+                probs = torch.mm(h, w.t()).to(acc)
+                probs.sub_(lse[sl].unsqueeze(1)).exp_()  # softmax, in place
+                rows = probs.shape[0]
+                probs.scatter_add_(1, safe[sl].unsqueeze(1), minus_one.expand(rows, 1))
+                probs.mul_(row_scale[sl].unsqueeze(1))  # now the gradient of these logits
+                dlogits = probs if cdt == acc else probs.to(cdt)
+                if want_h:
+                    if grad_h.dtype == cdt:
+                        torch.mm(dlogits, w, out=grad_h[sl])
+                    else:
+                        grad_h[sl] = torch.mm(dlogits, w)
+                if want_w:
+                    if cdt == acc:  # out= rather than addmm_: FLOP counters see addmm
+                        torch.addmm(grad_w, dlogits.t(), h, out=grad_w)
+                    else:  # a (V, C) product in cdt, added in fp32 across chunks
+                        grad_w.add_(torch.mm(dlogits.t(), h))
+                del probs, dlogits
+        if grad_w is not None and grad_w.dtype != weight.dtype:
+            grad_w = grad_w.to(weight.dtype)
+        return grad_h, grad_w, None, None, None, None, None
+
+
+def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
+                                 targets: torch.Tensor, *, chunk_tokens: int,
+                                 ignore_index: int = -100, reduction: str = "mean"
+                                 ) -> torch.Tensor:
+    """``F.cross_entropy(hidden @ weight.T, targets)`` without the whole logits tensor.
+
+    The loss and its gradients (to ``hidden`` and ``weight``) are those of the plain
+    expression, up to the order of the sums; no tensor of ``tokens x V`` values is made,
+    in forward or in backward, only one chunk of ``chunk_tokens x V`` at a time (the
+    logits are computed again in backward: the output matmul runs twice). The forward
+    pass saves one number per token (the log-sum-exp of its logits).
+
+    Under ``torch.autocast`` the matmuls run in the autocast dtype, as ``hidden @
+    weight.T`` would, and the softmax and the loss in fp32, as ``F.cross_entropy`` does.
+    The loss is fp32 (fp64 for fp64 inputs); the weight's gradient is added up over the
+    chunks in fp32.
+
+    Args:
+        hidden: ``(..., C)`` hidden states (the output head's input).
+        weight: ``(V, C)`` output matrix (an ``nn.Linear(C, V, bias=False)``'s weight, or
+            a tied embedding's).
+        targets: ``(...)`` class indices, shaped like ``hidden`` without its last dim.
+        chunk_tokens: rows per chunk. Memory for the logits is ``chunk_tokens x V``
+            values; smaller chunks run more, smaller matmuls.
+        ignore_index: targets with this value add nothing to the loss or the gradients,
+            and are not counted in the mean (as in ``F.cross_entropy``).
+        reduction: ``"mean"`` over the counted tokens (a mean over none is NaN, as in
+            ``F.cross_entropy``) or ``"sum"``.
+
+    Returns:
+        The loss, a 0-dim tensor.
+
+    Raises:
+        TypeError: ``hidden`` or ``weight`` is not a floating-point tensor, ``targets`` not
+            an integer tensor, ``chunk_tokens`` not an int.
+        ValueError: shapes that do not fit together, tensors on different devices, dtypes
+            that differ outside autocast, ``chunk_tokens`` below 1, an unknown reduction.
+    """
+    def kind(t):
+        return t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {kind(t)}")
+    if not isinstance(targets, torch.Tensor) or targets.is_floating_point() \
+            or targets.is_complex() or targets.dtype == torch.bool:
+        raise TypeError(f"targets must be an integer tensor of class indices, got {kind(targets)}")
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int):
+        raise TypeError(f"chunk_tokens must be an int, got {chunk_tokens!r}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(_REDUCTIONS)}, got {reduction!r}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be (vocab, width), got shape {tuple(weight.shape)}")
+    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden's last dim must be the weight's width {weight.shape[1]}, got "
+                         f"shape {tuple(hidden.shape)}")
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"targets must be shaped like hidden without its last dim "
+                         f"{tuple(hidden.shape[:-1])}, got {tuple(targets.shape)}")
+    if not (hidden.device == weight.device == targets.device):
+        raise ValueError(f"hidden, weight and targets must be on one device, got {hidden.device}, "
+                         f"{weight.device} and {targets.device}")
+    cdt = _compute_dtype(hidden, weight)
+    return _ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
+                                            targets.reshape(-1), chunk_tokens, ignore_index,
+                                            reduction, cdt)
