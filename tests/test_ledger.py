@@ -119,3 +119,33 @@ def test_ledgers_name_their_commit(results_tmp, monkeypatch):
     del old["commit"], old["shared_jobs"]           # a ledger from before these fields
     back = utils.Ledger.from_dict(old)
     assert back.commit == "" and back.shared_jobs == 1
+
+
+def test_result_objects_record_their_standard_fields_with_units():
+    import torch
+
+    led = utils.Ledger("00-x/01_y", smoke=True, env={"device_name": "cpu"})
+    fast = utils.Timing.from_times("eager", [2.0, 2.0, 2.2, 1.8], 10, "cpu", "test")
+    slow = utils.Timing.from_times("compiled (default)", [1.0, 1.0, 1.1, 0.9], 10, "cpu", "test")
+    first = led.record("step", fast)
+    assert first.name == "step_ms" and first.value == fast.median_ms and first.unit == "ms"
+    assert led["step_iqr_ms"] == pytest.approx(fast.iqr_ms)
+    led.record("speedup", utils.compare(fast, slow))
+    assert led.measurements["speedup_compiled_default"].unit == "x"
+    assert led["speedup_compiled_default"] == pytest.approx(2.0)
+    mem = utils.measure_peak_memory(lambda: torch.ones(1000), device="cpu")
+    led.record("alloc", mem)
+    assert led["alloc_peak_bytes"] == 4000 and led.measurements["alloc_peak_bytes"].unit == "bytes"
+    assert "alloc_allocator_peak_reserved_bytes" not in led.measurements   # None on a CPU
+    with pytest.raises(ValueError, match="brings its own units"):
+        led.record("step", fast, "ms")
+    with pytest.raises(TypeError, match="must be a number"):
+        led.record("bad", "fast")
+
+
+def test_the_ledgers_scalar_is_not_called_measurement():
+    # torch.utils.benchmark.Measurement is a timer's result (utils.Timing keeps one); the
+    # ledger's scalar is a Record, so one name has one meaning in the course
+    assert not hasattr(utils, "Measurement")
+    led = utils.Ledger("00-x/01_y", smoke=True, env={"device_name": "cpu"})
+    assert isinstance(led.record("n", 3, "items"), utils.Record)

@@ -7,8 +7,11 @@ took 8 threads each while other notebooks shared the node.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
+import utils
 from utils import sizes
 
 CORES = [1, 2, 4, 16, 64, 128]
@@ -113,3 +116,86 @@ def test_threads_beside_workers(cores, smoke):
     workers = sizes.loader_workers(cores, smoke=smoke)
     t = sizes.threads_beside_workers(cores, workers, smoke=smoke)
     assert t >= 1 and (t + workers <= cores or t == 1)
+
+
+# ----------------------------------------------------------------------------- size tables
+
+def _cfg(**kw):
+    base = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    base.update(kw)
+    return utils.GPTConfig(**base)
+
+
+TABLE = {
+    "batch": (4, 16, 64),
+    "run_s": (0.05, 0.2, 1.0),
+    "lr": (1e-2, 1e-3, 6e-4),
+    "gpt": (_cfg(), _cfg(n_layer=4), _cfg(n_layer=12, n_embd=512, n_head=8)),
+    "workload": ("infer", "train", "train"),
+    "seed": 0,
+}
+
+
+@pytest.mark.parametrize("smoke, is_cuda, tier, batch", [
+    (True, False, "smoke", 4), (True, True, "smoke", 4),
+    (False, False, "cpu", 16), (False, True, "gpu", 64)])
+def test_size_table_reads_the_column_of_the_run(smoke, is_cuda, tier, batch, capsys):
+    env = types.SimpleNamespace(is_cuda=is_cuda)
+    S = utils.size_table(TABLE, smoke=smoke, env=env, unordered=["lr"])
+    assert (S.tier, S.batch, S["batch"], S.seed) == (tier, batch, batch, 0)
+    assert S.gpt.n_layer == {"smoke": 2, "cpu": 4, "gpu": 12}[tier]
+    assert list(S) == list(TABLE)
+    out = capsys.readouterr().out
+    # one aligned table, the chosen column marked, a dataclass's fields on rows of their own
+    marked = {"smoke": "smoke*", "cpu": "CPU full*", "gpu": "GPU full*"}[tier]
+    header = out.splitlines()[1]
+    assert marked in header and header.count("*") == 1
+    lines = [ln for ln in out.splitlines() if ln.startswith("gpt.n_layer")]
+    assert lines and lines[0].split()[1:] == ["2", "4", "12"]
+    with pytest.raises(AttributeError, match="no row 'bach'"):
+        S.bach
+    with pytest.raises(AttributeError, match="change the table"):
+        S.batch = 3
+
+
+def test_a_smoke_size_larger_than_a_full_one_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"'batch'.*smoke value 64.*CPU full value 16"):
+        utils.size_table({"batch": (64, 16, 64)}, smoke=True, show=False)
+    # inside a config, the field is named
+    with pytest.raises(ValueError, match=r"'gpt.n_embd'"):
+        utils.size_table({"gpt": (_cfg(n_embd=64), _cfg(n_embd=32), _cfg(n_embd=64))},
+                         smoke=True, show=False)
+    # numbers that are not sizes are exempt when named
+    S = utils.size_table({"lr": (1e-2, 1e-3, 6e-4)}, smoke=True, show=False, unordered=["lr"])
+    assert S.lr == 1e-2
+    with pytest.raises(ValueError, match="unordered names rows the table does not have"):
+        utils.size_table({"lr": 1e-3}, smoke=True, show=False, unordered=["lrr"])
+
+
+@pytest.mark.parametrize("row, message", [
+    ((4, 16), "has 2 values"), ((1, 2, 3, 4), "has 4 values")])
+def test_every_row_has_a_value_per_tier(row, message):
+    with pytest.raises(ValueError, match=message):
+        utils.size_table({"batch": row}, smoke=True, show=False)
+
+
+def test_the_tier_and_sizes_go_into_the_ledger(tmp_path):
+    led = utils.Ledger("00-x/01_y", smoke=True, env={"device_name": "cpu"})
+    utils.size_table(TABLE, smoke=True, env=types.SimpleNamespace(is_cuda=False),
+                     unordered=["lr"], ledger=led, show=False)
+    back = utils.Ledger.load(led.save(tmp_path / "l.json"))
+    assert back.sizes["tier"] == "smoke"
+    assert back.sizes["values"]["batch"] == "4" and "n_layer=2" in back.sizes["values"]["gpt"]
+
+
+def test_format_table_aligns_numbers_right_and_words_left():
+    text = utils.format_table([["variant", "ms", "speedup"], ["eager", 12.5, 1.0],
+                               ["compiled (default)", 3.25, 3.846], ["none", None, 2.0]],
+                              header_rule=True)
+    lines = text.splitlines()
+    assert set(lines[1].replace(" ", "")) == {"-"}
+    widths = {len(ln) for ln in lines}
+    assert len(widths) == 1                       # every line as wide: aligned
+    assert lines[2].startswith("eager ") and lines[2].endswith("   1")
+    assert lines[3].split() == ["compiled", "(default)", "3.25", "3.85"]
+    assert lines[4].split()[1] == "-"

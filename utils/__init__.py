@@ -25,7 +25,7 @@ from .flops import (
     datasheet_peak_tflops,
     plot_roofline,
 )
-from .ledger import Expectation, ExpectationNotMet, Ledger, Measurement, results_dir
+from .ledger import Expectation, ExpectationNotMet, Ledger, Record, results_dir
 from .memory import (
     MemoryBreakdown,
     MemoryResult,
@@ -86,6 +86,7 @@ from . import ladder  # noqa: E402  (the capstone's speedup ladder: utils.ladder
 from . import compiletools  # noqa: E402  (module 01's compile helpers: utils.compiletools)
 from . import collectives  # noqa: E402  (counting collectives: utils.collectives)
 from . import sizes  # noqa: E402  (sizes derived from the machine: utils.sizes)
+from .sizes import Sizes, format_table, size_table  # noqa: E402  (a notebook's size table)
 from . import losses  # noqa: E402  (memory-lean losses: utils.losses)
 from .losses import chunked_linear_cross_entropy  # noqa: E402
 
@@ -117,6 +118,8 @@ __all__ = [
     "dtype_name", "rel_error", "CPUPrecisionSupport", "cpu_precision_support", "AtenOpCounter",
     "count_aten_ops", "fp8_matmul_api", "fp8_matmul", "LossGap", "loss_gap", "TimingJob",
     "best_of_rounds", "TimeBreakdown", "time_breakdown",
+    # size tables and plain tables (utils.sizes)
+    "Sizes", "size_table", "format_table",
     # losses (utils.losses)
     "chunked_linear_cross_entropy",
     # training
@@ -128,5 +131,5 @@ __all__ = [
     "kernel_names", "kernel_source",
     "BackendStatus", "sdpa_backend_status", "sdpa_backends", "SDPARun", "sdpa_backend_used",
     # ledger
-    "Ledger", "Measurement", "Expectation", "ExpectationNotMet", "results_dir",
+    "Ledger", "Record", "Expectation", "ExpectationNotMet", "results_dir",
 ]

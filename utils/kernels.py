@@ -74,6 +74,10 @@ class KernelCount:
         """Kernels per call of the profiled function."""
         return self.kernels / self.calls
 
+    def ledger_fields(self) -> dict[str, tuple[float, str]]:
+        """What ``Ledger.record(name, count)`` records: ``name_per_call``, kernels per call."""
+        return {"per_call": (self.per_call, "kernels")}
+
     def top(self, n: int = 8) -> list[tuple[str, int]]:
         """The ``n`` most frequent names, most frequent first."""
         return Counter(self.by_name).most_common(n)

@@ -747,6 +747,16 @@ class RungResult:
     sdpa_backend: str = ""
     sdpa_run: str = ""
 
+    def ledger_fields(self) -> dict[str, tuple[float | None, str]]:
+        """What ``Ledger.record(name, rung)`` records: the step time, its IQR, throughput,
+        achieved TFLOP/s, MFU against the rung's ceiling, peak memory and graphs compiled
+        (fields the rung did not measure are left out)."""
+        return {"ms": (self.median_ms, "ms"), "iqr_ms": (self.iqr_ms, "ms"),
+                f"{self.item_name}s_per_s": (self.items_per_s, f"{self.item_name}s/s"),
+                "tflops": (self.achieved_tflops, "TFLOP/s"), "mfu": (self.mfu, "fraction"),
+                "peak_bytes": (self.peak_bytes, "bytes"),
+                "graphs_compiled": (self.graphs_compiled, "graphs")}
+
     @property
     def predicted_ms(self) -> float | None:
         """The step time predicted before the rung ran, or ``None``."""

@@ -20,7 +20,7 @@ from typing import Any
 from .env import EnvInfo, get_env
 
 __all__ = [
-    "Measurement",
+    "Record",
     "Expectation",
     "Ledger",
     "ExpectationNotMet",
@@ -55,7 +55,11 @@ def results_dir() -> Path:
 
 
 @dataclass(frozen=True)
-class Measurement:
+class Record:
+    """One number a notebook recorded: its name, value, unit and a note. (Not to be confused
+    with ``torch.utils.benchmark.Measurement``, a timer's result, which ``utils.Timing``
+    keeps.)"""
+
     name: str
     value: float
     unit: str
@@ -156,18 +160,44 @@ class Ledger:
         self.created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
         self.shared_jobs = shared_jobs()   # > 1: other notebooks ran at the same time
         self.commit = course_commit()
-        self.measurements: dict[str, Measurement] = {}
+        self.measurements: dict[str, Record] = {}
         self.expectations: dict[str, Expectation] = {}
+        # the size table's column this run read, and the sizes (utils.size_table)
+        self.sizes: dict[str, Any] = {}
 
     # -- recording -------------------------------------------------------------
-    def record(self, name: str, value: float, unit: str = "", note: str = "") -> Measurement:
-        """Record a measured number under ``name`` (a later record replaces it)."""
-        m = self._measurement(name, value, unit, note)
+    def record(self, name: str, value: Any, unit: str = "", note: str = "") -> Record:
+        """Record a measured number under ``name`` (a later record replaces it).
+
+        ``value`` may also be one of the course's result objects (``utils.Timing``,
+        ``SpeedupTable``, ``MemoryResult``, ``RungResult`` ...: anything with a
+        ``ledger_fields()`` method): its standard fields are recorded with their units under
+        ``name_<field>`` (a timing's median as ``name_ms``, its IQR as ``name_iqr_ms``), and
+        the first of them is returned.
+        """
+        fields = getattr(value, "ledger_fields", None)
+        if callable(fields) and not isinstance(value, (int, float)):
+            if unit:
+                raise ValueError(f"{name!r}: a result object brings its own units; drop unit=")
+            made = [self._measurement(f"{name}_{suffix}" if suffix else name, v, u, note)
+                    for suffix, (v, u) in fields().items() if v is not None]
+            if not made:
+                raise ValueError(f"{name!r}: {type(value).__name__} has nothing to record "
+                                 "(did it run?)")
+            m = made[0]
+        else:
+            m = self._measurement(name, value, unit, note)
         if self.autosave:
             self.save()
         return m
 
-    def _measurement(self, name: str, value: float, unit: str, note: str) -> Measurement:
+    def set_sizes(self, tier: str, sizes: dict[str, Any]) -> None:
+        """Record which column of the size table this run read, and the sizes it chose."""
+        self.sizes = {"tier": str(tier), "values": {k: str(v) for k, v in sizes.items()}}
+        if self.autosave:
+            self.save()
+
+    def _measurement(self, name: str, value: float, unit: str, note: str) -> Record:
         if not name:
             raise ValueError("a measurement needs a name")
         try:
@@ -176,7 +206,7 @@ class Ledger:
             raise TypeError(f"measurement {name!r} must be a number, got {value!r}") from None
         if math.isnan(value):
             raise ValueError(f"measurement {name!r} is NaN: the measurement failed")
-        m = Measurement(name, value, unit, note)
+        m = Record(name, value, unit, note)
         self.measurements[name] = m
         return m
 
@@ -237,6 +267,7 @@ class Ledger:
             "commit": self.commit,
             "shared_jobs": self.shared_jobs,
             "env": self.env,
+            "sizes": self.sizes,
             "measurements": [asdict(m) for m in self.measurements.values()],
             "expectations": [asdict(e) for e in self.expectations.values()],
         }
@@ -250,8 +281,9 @@ class Ledger:
         # Fields added later: a ledger written before them ran alone, at an unrecorded commit.
         led.commit = data.get("commit", "")
         led.shared_jobs = int(data.get("shared_jobs", 1))
+        led.sizes = dict(data.get("sizes") or {})
         for m in data["measurements"]:
-            led.measurements[m["name"]] = Measurement(**m)
+            led.measurements[m["name"]] = Record(**m)
         for e in data["expectations"]:
             led.expectations[e["name"]] = Expectation(**e)
         return led

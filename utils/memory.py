@@ -319,6 +319,13 @@ class MemoryResult:
     method: str
     result: Any = None
 
+    def ledger_fields(self) -> dict[str, tuple[float | None, str]]:
+        """What ``Ledger.record(name, result)`` records: ``name_peak_bytes`` and
+        ``name_retained_bytes`` (and the allocator's peaks on CUDA)."""
+        return {"peak_bytes": (self.peak_bytes, "bytes"),
+                "retained_bytes": (self.retained_bytes, "bytes"),
+                "allocator_peak_reserved_bytes": (self.allocator_peak_reserved_bytes, "bytes")}
+
     def __str__(self) -> str:
         text = (
             f"peak {format_bytes(self.peak_bytes)} above the start, "

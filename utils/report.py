@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .claims import claims_section
-from .ledger import MET, NOT_APPLICABLE, NOT_MET, Ledger, Measurement
+from .ledger import MET, NOT_APPLICABLE, NOT_MET, Ledger, Record
 
 __all__ = ["load_ledgers", "scan_results", "markdown_report", "write_report", "parse_train_log",
            "PROVENANCE_FILE"]
@@ -98,7 +98,7 @@ def parse_train_log(path: str | os.PathLike, provenance: dict[str, Any] | None =
     led.source_note = f"parsed from {p.name}"  # type: ignore[attr-defined]
 
     def rec(name: str, value: float, unit: str, note: str = "") -> None:
-        led.measurements[name] = Measurement(name, float(value), unit, note)
+        led.measurements[name] = Record(name, float(value), unit, note)
 
     for r in runs:
         rung = r["rung"][0]

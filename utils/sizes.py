@@ -13,7 +13,10 @@ node do" without one.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = [
     "WORKERS_CAP_SMOKE",
@@ -27,6 +30,11 @@ __all__ = [
     "threads_beside_workers",
     "RankPlan",
     "rank_plan",
+    "TIERS",
+    "tier_of",
+    "Sizes",
+    "size_table",
+    "format_table",
 ]
 
 #: Most DataLoader workers a notebook starts at smoke size (CI's machine has 2 cores) and at
@@ -183,3 +191,202 @@ def rank_plan(gpu_count: int, cpu_count: int, *, smoke: bool, min_ranks: int = 2
     return RankPlan("gloo", min_ranks, "cpu", threads, env,
                     f"{min_ranks} gloo CPU processes with {threads} thread(s) each: "
                     f"this machine has {have}")
+
+
+# ----------------------------------------------------------------------------- size tables
+
+#: The columns of a notebook's size table, in order: smoke size (CI, about a minute on a 2-core
+#: CPU), full size on a machine without a GPU (it runs, slowly; the GPU claims do not apply), and
+#: full size on one GPU (where the claims are checked).
+TIERS = ("smoke", "cpu", "gpu")
+_TIER_LABELS = {"smoke": "smoke", "cpu": "CPU full", "gpu": "GPU full"}
+
+
+def tier_of(smoke: bool, is_cuda: bool) -> str:
+    """The column of a size table this run reads: ``"smoke"``, ``"cpu"`` or ``"gpu"``."""
+    return "smoke" if smoke else ("gpu" if is_cuda else "cpu")
+
+
+def _numeric_fields(value: Any) -> dict[str, float] | None:
+    """The numbers a value is made of, for the smoke-never-larger check: the value itself, or
+    a dataclass's numeric fields; ``None`` for anything else (words, switches, functions)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return {"": value}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        return {k: v for k, v in out.items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool)} or None
+    return None
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, torch_dtype_types()):
+        return str(value).replace("torch.", "")
+    return str(value)
+
+
+def torch_dtype_types() -> tuple[type, ...]:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - the course always has torch
+        return ()
+    return (torch.dtype,)
+
+
+class Sizes(Mapping[str, Any]):
+    """The sizes one run uses: the chosen column of a notebook's size table.
+
+    Read a size as an attribute (``S.batch``) or an item (``S["batch"]``); ``S.tier`` is the
+    column (``"smoke"``, ``"cpu"`` or ``"gpu"``) and ``S.table`` the whole table, for printing.
+    """
+
+    def __init__(self, tier: str, values: dict[str, Any], table: dict[str, tuple[Any, ...]]):
+        object.__setattr__(self, "tier", tier)
+        object.__setattr__(self, "_values", dict(values))
+        object.__setattr__(self, "table", table)
+
+    def __getattr__(self, name: str) -> Any:
+        values = object.__getattribute__(self, "_values")
+        try:
+            return values[name]
+        except KeyError:
+            raise AttributeError(f"the size table has no row {name!r}; its rows are "
+                                 f"{', '.join(values)}") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("sizes are read from the table: change the table, not the result")
+
+    def __getitem__(self, name: str) -> Any:
+        return self._values[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"Sizes(tier={self.tier!r}, {', '.join(f'{k}={v!r}' for k, v in self.items())})"
+
+    def describe(self) -> str:
+        """The table as aligned text: one row per size (a dataclass's fields on rows of their
+        own), a column per tier, the column this run reads marked with ``*``."""
+        rows: list[list[str]] = []
+        for key, values in self.table.items():
+            if all(dataclasses.is_dataclass(v) and not isinstance(v, type) for v in values):
+                names = [f.name for f in dataclasses.fields(values[0])]
+                for name in names:
+                    rows.append([f"{key}.{name}"] + [_cell(getattr(v, name, "-"))
+                                                      for v in values])
+            else:
+                rows.append([key] + [_cell(v) for v in values])
+        header = ["size"] + [_TIER_LABELS[t] + ("*" if t == self.tier else "") for t in TIERS]
+        return format_table([header] + rows, header_rule=True)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+def size_table(table: Mapping[str, Any], *, smoke: bool, env: Any = None,
+               tier: str | None = None, unordered: Iterable[str] = (), ledger: Any = None,
+               show: bool = True) -> Sizes:
+    """Pick this run's sizes from a notebook's size table and print the table.
+
+    Args:
+        table: ``{"name": (smoke, cpu_full, gpu_full), ...}``: a row per size, a column per
+            tier (:data:`TIERS`). A row that is the same in every tier may be a single value.
+        smoke: whether this is a smoke run (``utils.resolve_smoke(SMOKE)``).
+        env: ``utils.get_env()`` (its ``is_cuda`` picks the GPU column at full size).
+        tier: ask for a column by name instead (a test asking what a GPU run would use).
+        unordered: rows exempt from "smoke is never larger than full" (a learning rate, a
+            tolerance): numbers that are not sizes.
+        ledger: a :class:`utils.Ledger` to record the tier and the chosen sizes in.
+        show: print the table.
+
+    Raises:
+        ValueError: a row has the wrong number of columns, or a smoke size is larger than a full
+            size (the message names the row).
+    """
+    if tier is None:
+        if env is None:
+            from .env import get_env
+            env = get_env()
+        tier = tier_of(bool(smoke), bool(getattr(env, "is_cuda", False)))
+    if tier not in TIERS:
+        raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
+    if not table:
+        raise ValueError("the size table is empty")
+    exempt = set(unordered)
+    unknown = exempt - set(table)
+    if unknown:
+        raise ValueError(f"unordered names rows the table does not have: {sorted(unknown)}")
+    full: dict[str, tuple[Any, ...]] = {}
+    for key, row in table.items():
+        if not isinstance(key, str) or not key.isidentifier():
+            raise ValueError(f"size names must be identifiers (read as S.name), got {key!r}")
+        if isinstance(row, tuple):
+            if len(row) != len(TIERS):
+                raise ValueError(f"size {key!r} has {len(row)} values; every row has one per "
+                                 f"tier {TIERS} (or one value for all)")
+        else:
+            row = (row,) * len(TIERS)
+        full[key] = row
+        if key in exempt:
+            continue
+        nums = [_numeric_fields(v) for v in row]
+        if nums[0] is None:
+            continue
+        for t, other in zip(TIERS[1:], nums[1:]):
+            for field_name, small in nums[0].items():
+                big = None if other is None else other.get(field_name)
+                if big is not None and small > big:
+                    where = f"{key}.{field_name}" if field_name else key
+                    raise ValueError(
+                        f"size {where!r}: the smoke value {small!r} is larger than the "
+                        f"{_TIER_LABELS[t]} value {big!r}; a smoke run must not be bigger than a "
+                        "full one (list the row in unordered= if it is not a size)")
+    column = TIERS.index(tier)
+    sizes = Sizes(tier, {k: v[column] for k, v in full.items()}, full)
+    if ledger is not None:
+        ledger.set_sizes(tier, {k: _cell(v) for k, v in sizes.items()})
+    if show:
+        print(f"sizes: the {_TIER_LABELS[tier]} column (*)")
+        print(sizes.describe())
+    return sizes
+
+
+def format_table(rows: Sequence[Sequence[Any]], *, header_rule: bool = False,
+                 floatfmt: str = ".3g", gap: int = 2) -> str:
+    """Rows of cells as aligned text: numbers right-aligned, words left-aligned.
+
+    The first row is the header when ``header_rule`` is true (a rule of dashes goes under it).
+    Floats use ``floatfmt``; ``None`` prints as ``-``.
+    """
+    def text(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return format(v, floatfmt)
+        return str(v)
+
+    cells = [[text(v) for v in row] for row in rows]
+    if not cells:
+        return ""
+    ncol = max(len(r) for r in cells)
+    cells = [r + [""] * (ncol - len(r)) for r in cells]
+    numeric = [all(isinstance(row[c], (int, float)) and not isinstance(row[c], bool)
+                   for row in rows[1 if header_rule else 0:] if c < len(row) and row[c] is not None)
+               for c in range(ncol)]
+    widths = [max(len(r[c]) for r in cells) for c in range(ncol)]
+    lines = []
+    for i, r in enumerate(cells):
+        parts = [r[c].rjust(widths[c]) if numeric[c] and c > 0 else r[c].ljust(widths[c])
+                 for c in range(ncol)]
+        lines.append((" " * gap).join(parts).rstrip())
+        if header_rule and i == 0:
+            lines.append((" " * gap).join("-" * w for w in widths))
+    return "\n".join(lines)

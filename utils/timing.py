@@ -102,6 +102,11 @@ class Timing:
     def median_s(self) -> float:
         return self.median_ms / 1e3
 
+    def ledger_fields(self) -> dict[str, tuple[float, str]]:
+        """What ``Ledger.record(name, timing)`` records: ``name_ms`` (the median per call) and
+        ``name_iqr_ms``."""
+        return {"ms": (self.median_ms, "ms"), "iqr_ms": (self.iqr_ms, "ms")}
+
     def __str__(self) -> str:
         flag = "  (noisy)" if self.noisy else ""
         return (
@@ -322,6 +327,13 @@ def cold_l2_benchmark(
                              f"CUDA events per call, {how} before each call")
 
 
+def _key(label: str) -> str:
+    """A label as part of a ledger key: lower case, runs of other characters turned into ``_``."""
+    import re
+
+    return re.sub(r"[^0-9a-z]+", "_", label.lower()).strip("_") or "row"
+
+
 @dataclass(frozen=True)
 class SpeedupRow:
     label: str
@@ -344,6 +356,11 @@ class SpeedupTable:
             if row.label == label:
                 return row.speedup
         raise KeyError(f"no row {label!r}; rows are {[r.label for r in self.rows]}")
+
+    def ledger_fields(self) -> dict[str, tuple[float, str]]:
+        """What ``Ledger.record(name, table)`` records: each candidate's speedup over the
+        baseline as ``name_<label>`` (the label in lower case, words joined by ``_``)."""
+        return {_key(r.label): (r.speedup, "x") for r in self.rows[1:]}
 
     def to_markdown(self) -> str:
         lines = [
