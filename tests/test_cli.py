@@ -8,6 +8,7 @@ import sys
 import nbformat
 import pytest
 
+import utils
 from conftest import FIXTURES, REPO
 
 TINY = FIXTURES / "tiny_module"
@@ -121,3 +122,41 @@ def test_release_strips_solutions_keeps_checks_and_student_is_its_alias(tmp_path
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "student/tests/fixtures/tiny_module/01_tiny.ipynb").read_bytes() == \
         released.read_bytes()
+
+
+# The commands that handle notebooks, ledgers and submissions do not need PyTorch: an
+# instructor's laptop releases a course and a grading node's front end grades it without paying
+# torch's import (seconds) per command. The kernels that run notebooks import it themselves.
+_NO_TORCH = """
+import runpy, sys
+codes = []
+for args in [a.split("|") for a in sys.argv[1:]]:
+    sys.argv = ["utils"] + args
+    try:
+        runpy.run_module("utils", run_name="__main__")
+        codes.append(0)
+    except SystemExit as e:
+        codes.append(e.code or 0)
+print("TORCH-IMPORTED" if "torch" in sys.modules else "NO-TORCH", *codes)
+"""
+
+
+def test_the_course_commands_start_without_importing_torch(tmp_path, results_tmp):
+    commands = [["release", str(TINY / "01_tiny.ipynb"), "--out", str(tmp_path / "rel")],
+                ["report", str(results_tmp), "--out", str(tmp_path / "r.md"), "--no-plots"],
+                ["grade", "--help"], ["run", "--help"]]
+    utils.Ledger("00-x/01_y", smoke=True, env={"device_name": "cpu"}).save(results_tmp / "a.json")
+    r = subprocess.run([sys.executable, "-c", _NO_TORCH, *("|".join(c) for c in commands)],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    last = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-3000:]
+    assert last == "NO-TORCH 0 0 0 0", last
+    assert list((tmp_path / "rel").rglob("01_tiny.ipynb")) and (tmp_path / "r.md").is_file()
+
+
+def test_utils_reads_its_names_when_first_used():
+    r = subprocess.run([sys.executable, "-c",
+                        "import sys, utils; a = 'torch' in sys.modules; utils.benchmark; "
+                        "import utils.sizes; print(a, 'torch' in sys.modules, "
+                        "set(utils.__all__) <= set(dir(utils)))"],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.stdout.split() == ["False", "True", "True"], r.stderr[-2000:]

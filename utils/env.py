@@ -360,7 +360,7 @@ def needs(
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
-SMOKE_ENV_VAR = "COURSE_SMOKE"
+from .ledger import SMOKE_ENV_VAR  # noqa: E402  (the course's environment variables live there)
 
 
 def resolve_smoke(smoke: bool | str | None = None) -> bool:

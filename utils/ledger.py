@@ -15,9 +15,10 @@ import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .env import EnvInfo, get_env
+if TYPE_CHECKING:  # the ledger itself needs no torch: report and grade read ledgers without it
+    from .env import EnvInfo
 
 __all__ = [
     "Record",
@@ -33,6 +34,8 @@ __all__ = [
 ]
 
 MET, NOT_MET, NOT_APPLICABLE = "met", "not met", "not applicable"
+#: COURSE_SMOKE=1/0 asks every notebook for smoke or full size (utils.resolve_smoke reads it).
+SMOKE_ENV_VAR = "COURSE_SMOKE"
 RESULTS_ENV_VAR = "COURSE_RESULTS_DIR"
 STRICT_ENV_VAR = "COURSE_STRICT"
 #: Set by ``python -m utils run --jobs N`` (N > 1) for the notebooks it runs side by side:
@@ -153,8 +156,10 @@ class Ledger:
         self.notebook = notebook
         self.smoke = bool(smoke)
         if env is None:
+            from .env import get_env
+
             env = get_env()
-        self.env: dict[str, Any] = env.fingerprint() if isinstance(env, EnvInfo) else dict(env)
+        self.env: dict[str, Any] = env.fingerprint() if hasattr(env, "fingerprint") else dict(env)
         self.strict = _strict_default(self.smoke) if strict is None else strict
         self.autosave = autosave
         self.created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
