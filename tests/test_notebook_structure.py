@@ -137,7 +137,6 @@ NOT_YET_TABLED = {
     "05-distributed/01_ddp", "05-distributed/02_fsdp2_and_zero",
     "05-distributed/03_tensor_parallel", "05-distributed/04_distributed_checkpoints",
     "05-distributed/05_scaling_out",
-    "06-capstone/01_speedup_ladder",
 }
 #: Global switches: they sit in a cell of their own, not in the size table's cell.
 SWITCHES = re.compile(r"set_float32_matmul_precision|allow_tf32\s*=|utils\.set_tf32\(|"
