@@ -119,23 +119,23 @@ def test_correctness_is_checked_before_timing(nb_path):
 #: Notebooks whose sizes are still written by hand, not yet read from one size table
 #: (issue 26). The list only shrinks: a notebook on it that has a table fails the test below.
 NOT_YET_TABLED = {
-    "00-foundations/01_measuring_performance", "00-foundations/02_bottlenecks",
+    "00-foundations/01_measuring_performance",
+    "00-foundations/02_bottlenecks",
     "00-foundations/03_input_pipeline",
-    "01-torch-compile/01_compile_basics", "01-torch-compile/02_graph_breaks",
-    "01-torch-compile/03_dynamic_shapes", "01-torch-compile/04_regional_compilation_and_caching",
+    "01-torch-compile/01_compile_basics",
+    "01-torch-compile/02_graph_breaks",
+    "01-torch-compile/03_dynamic_shapes",
+    "01-torch-compile/04_regional_compilation_and_caching",
     "01-torch-compile/05_beyond_the_model",
-    "02-mixed-precision/01_number_formats", "02-mixed-precision/02_autocast",
-    "02-mixed-precision/03_grad_scaler", "02-mixed-precision/04_amp_end_to_end",
-    "03-fused-operations/01_fewer_bigger_kernels", "03-fused-operations/02_attention_kernels",
-    "03-fused-operations/03_compiler_fusion", "03-fused-operations/04_writing_a_triton_kernel",
-    "03-fused-operations/05_inference_fusions",
     "04-memory-efficiency/01_anatomy_of_training_memory",
     "04-memory-efficiency/02_activation_checkpointing",
     "04-memory-efficiency/03_offloading_and_compression",
     "04-memory-efficiency/04_batch_size_and_habits",
     "04-memory-efficiency/05_checkpoints_and_loading",
-    "05-distributed/01_ddp", "05-distributed/02_fsdp2_and_zero",
-    "05-distributed/03_tensor_parallel", "05-distributed/04_distributed_checkpoints",
+    "05-distributed/01_ddp",
+    "05-distributed/02_fsdp2_and_zero",
+    "05-distributed/03_tensor_parallel",
+    "05-distributed/04_distributed_checkpoints",
     "05-distributed/05_scaling_out",
 }
 #: Global switches: they sit in a cell of their own, not in the size table's cell.
