@@ -10,7 +10,10 @@ Three layers, to keep the suite fast:
   notebook with only the exercise cells taken from the submission.
 * **A class of small submissions graded for real** (a three-exercise fixture
   course, about a second of work each): full marks, zero, one wrong answer,
-  tampered checks, and every failure mode the grader must survive.
+  tampered checks, and every failure mode the grader must survive; then, with
+  hidden checks added to the fixture, an answer fitted to the visible checks, a
+  memory hog, an output flood, processes left running and an attempt to echo
+  the hidden checks into the report.
 * **One course notebook graded for real** (the instructor copy, the released
   copy, a wrong answer behind a tampered check). Every course notebook is
   graded this way behind the opt-in marker: ``pytest -m grading tests/test_grading.py``.
@@ -21,9 +24,12 @@ from __future__ import annotations
 import copy
 import csv
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import nbformat
@@ -31,7 +37,8 @@ import pytest
 
 from conftest import FIXTURES, REPO, course_notebooks
 from utils import grading, grading_plugin, student
-from utils.student import BEGIN, END, find_exercises, release, release_notebook, strip_solutions
+from utils.student import (BEGIN, END, HIDDEN_BEGIN, HIDDEN_END, find_exercises, release,
+                           release_notebook, strip_solutions)
 
 COURSE = FIXTURES / "grading" / "course"
 TINY = COURSE / "01-tiny" / "01_double.ipynb"
@@ -596,6 +603,332 @@ def test_a_kernel_that_ignores_the_interrupt_is_killed_at_the_wall_clock_limit(t
     time.sleep(0.5)
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, \
         "the looping kernel was killed with the run"
+
+
+# --- hidden checks, resource limits, GPUs and feedback (issue 23) ----------------------------
+
+# Check 2 gets a hidden assertion without a message between its visible ones; check 3 opens
+# with a hidden assertion that has one (so the cell's first line is hidden too).
+HIDDEN_2 = "assert hypotenuse(5, 12) == 13"
+HIDDEN_3 = 'assert mean([2, 4]) == 3, "the mean of two values is their midpoint"'
+SECRETS = (HIDDEN_2, HIDDEN_3)
+
+
+def _course_with_hidden_checks(folder):
+    """The fixture course, copied, with a hidden block in checks 2 and 3."""
+    shutil.copytree(COURSE, folder)
+    path = folder / TINY_NAME
+    nb = read(path)
+    for ex in find_exercises(nb):
+        cell = nb.cells[ex.check_index]
+        lines = cell.source.splitlines()
+        if ex.id == "exercise-2":
+            cell.source = "\n".join(lines[:2] + [HIDDEN_BEGIN, HIDDEN_2, HIDDEN_END] + lines[2:])
+        elif ex.id == "exercise-3":
+            cell.source = "\n".join([HIDDEN_BEGIN, HIDDEN_3, HIDDEN_END] + lines)
+    nbformat.write(nb, path)
+    return folder
+
+
+def test_hidden_checks_leave_the_student_version_and_bad_markers_are_refused(tmp_path):
+    course = _course_with_hidden_checks(tmp_path / "course")
+    inst = read(course / TINY_NAME)
+    stud = release_notebook(inst, TINY_NAME)
+    text = json.dumps(stud.cells)
+    assert not any(secret in text for secret in SECRETS) and "HIDDEN TESTS" not in text
+    checks = {c.metadata["course"]["id"]: c.source for c in stud.cells
+              if c.metadata.get("course", {}).get("role") == "check"}
+    assert checks["exercise-2-check"].splitlines()[2] == student.HIDDEN_NOTE
+    assert checks["exercise-3-check"].startswith(student.HIDDEN_NOTE + "\n# Check Exercise 3")
+    # the exercises and their ids are those of the course without hidden checks
+    assert stud.metadata["course"] == released().metadata["course"]
+    # an indented block becomes `pass`, so the loop it sat in is still Python
+    loop = f"for x in (1, 2):\n    {HIDDEN_BEGIN}\n    assert x\n    {HIDDEN_END}\n"
+    assert student.strip_hidden(loop) == f"for x in (1, 2):\n    pass  {student.HIDDEN_NOTE}\n"
+    for bad, message in ((f"{HIDDEN_BEGIN}\nassert x\n", "never closed"),
+                         (f"assert x\n{HIDDEN_END}\n", "never opened"),
+                         (f"{HIDDEN_BEGIN}\n{HIDDEN_BEGIN}\n{HIDDEN_END}\n", "inside the one")):
+        with pytest.raises(ValueError, match=message):
+            student.strip_hidden(bad)
+    # in an exercise cell a hidden block would be replaced by the student's cell: refused
+    ex = find_exercises(inst)[0]
+    inst.cells[ex.cell_index].source += f"\n{HIDDEN_BEGIN}\nassert double(1) == 2\n{HIDDEN_END}"
+    nbformat.write(inst, course / TINY_NAME)
+    with pytest.raises(ValueError, match=r"^01-tiny/01_double.ipynb: cell 4 \(Exercise 1.*"
+                                         r"hidden checks belong in the check cell"):
+        release([course / TINY_NAME], tmp_path / "out", course_root=course)
+
+
+def test_a_failed_hidden_check_says_so_without_its_source():
+    blocks = [(3, 5)]
+    rec = {"ename": "AssertionError", "lines": [4]}
+    assert grading._hidden_safe(rec, "AssertionError at `assert f(5) == 13`", blocks) == \
+        "a hidden check failed"
+    assert grading._hidden_safe(rec, "AssertionError: the midpoint", blocks) == \
+        "a hidden check failed: the midpoint"
+    assert grading._hidden_safe({"ename": "NameError", "lines": [4]},
+                                "NameError: name 'secret_reference' is not defined", blocks) == \
+        "a hidden check failed (it raised NameError)"
+    # a failure in a visible line of the same cell is shown as it is
+    assert grading._hidden_safe({**rec, "lines": [2]}, "AssertionError: visible", blocks) == \
+        "AssertionError: visible"
+    # a failure the grader cannot place (no traceback) is treated as hidden
+    assert grading._hidden_safe({**rec, "lines": []}, "AssertionError at `x`", blocks) == \
+        "a hidden check failed"
+    # the grader's own words hold no source and stay
+    for msg in ("timed out: the cell ran past the per-cell limit of 10 s",
+                "the kernel died (exit code 3) while running this cell"):
+        assert grading._hidden_safe({"lines": [4]}, msg, blocks) == msg
+    # a message cut inside a hidden line (the plugin keeps 2,000 characters) loses its start too
+    assert grading._uncut("RuntimeError: ... assert hypotenuse(5, 1", [HIDDEN_2]) == \
+        "RuntimeError: ... [hidden]"
+    # the plugin places an exception at the cell's own line, chained exceptions too
+    tb = ["---", "KeyError   Traceback (most recent call last)", "Cell In[4], line 2\n----> 2 d[k]\n",
+          "During handling of the above exception, another exception occurred:",
+          "AssertionError   Traceback (most recent call last)",
+          "Cell In[4], line 4\n----> 4 assert ok\n", "Cell In[1], line 9, in f\n----> 9 x\n"]
+    assert grading_plugin._top_lines(tb) == [2, 4]
+
+
+def test_out_of_memory_names_the_limit():
+    run = grading._RunResult({}, 0.0, False, 0, "", False, memory_limit_gib=2.0)
+    torch_oom = ("RuntimeError: [enforce fail at alloc_cpu.cpp:127] . DefaultCPUAllocator: can't "
+                 "allocate memory: you tried to allocate 4294967296 bytes. Error code 12 (Cannot "
+                 "allocate memory)")
+    assert grading._with_limits(torch_oom, run).startswith(
+        "used more than the 2 GiB memory limit (RuntimeError: [enforce fail")
+    assert grading._with_limits("MemoryError", run) == "used more than the 2 GiB memory limit (MemoryError)"
+    assert grading._with_limits("OutOfMemoryError: CUDA out of memory. Tried to allocate 8 GiB",
+                                run).startswith("used more than the GPU's memory (")
+    assert grading._with_limits("ValueError: bad size", run) == "ValueError: bad size"
+    assert 4 <= grading.default_memory_limit_gib(16) <= grading.default_memory_limit_gib(1) <= 16
+
+
+def test_a_cells_output_is_capped_as_it_arrives():
+    out = grading_plugin._Output()
+    flood = "".join(f"{i}\n" for i in range(300_000))  # 1.9 MB in one message
+    msg = {"msg_type": "stream", "content": {"name": "stdout", "text": flood}}
+    kept = grading_plugin._cap_message(msg, out)["content"]["text"]
+    assert kept == flood[:grading_plugin.TEXT_HEAD_CHARS]
+    later = grading_plugin._cap_message({"msg_type": "stream", "content": {
+        "name": "stdout", "text": "the end\n"}}, out)
+    assert later["msg_type"].startswith("comm")  # nbval skips it; its text went to the tail
+    outputs = [{"output_type": "stream", "name": "stdout", "text": kept}]
+    grading_plugin._finish_outputs(outputs, out)
+    text = outputs[0]["text"]
+    assert len(text) < grading_plugin.TEXT_HEAD_CHARS + grading_plugin.TEXT_TAIL_CHARS + 300
+    assert text.endswith("299999\nthe end\n") and "[... the grader cut " in text
+    assert out.flooded and grading_plugin._flood_message(out).startswith(
+        f"printed {len(flood) + 8:,} characters of output")
+    big = {"msg_type": "display_data", "content": {"data": {
+        "image/png": "x" * (grading_plugin.RICH_KEEP_CHARS + 1)}, "metadata": {}}}
+    small = grading_plugin._Output()
+    assert grading_plugin._cap_message(big, small)["msg_type"].startswith("comm") and small.flooded
+    assert not grading_plugin._Output().flooded
+
+
+def test_the_log_keeps_its_first_and_last_lines(tmp_path):
+    read_end, write_end = os.pipe()
+    log = grading._CappedLog(read_end, tmp_path / "run.log", keep=100_000)
+    log.start()
+    with os.fdopen(write_end, "wb") as w:
+        w.write(b"first\n" + b"x" * 3_000_000 + b"\nlast\n")
+    log.join(timeout=30)
+    text = (tmp_path / "run.log").read_text()
+    assert text.startswith("first\n") and text.endswith("\nlast\n") and len(text) < 100_100
+    assert "[... the grader cut 2,900,012 bytes of this log here ...]" in text
+
+
+def test_one_notebook_per_gpu_at_a_time(tmp_path, monkeypatch):
+    """With GPUs in view, each kernel gets one GPU to itself; --hide-gpus gives them none."""
+    for hidden in ("", "-1"):  # the grader's own CUDA_VISIBLE_DEVICES hides them too
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert grading._visible_gpus() == []
+    monkeypatch.setattr(grading, "_visible_gpus", lambda: ["0", "1"])  # a node with two GPUs
+    runs, lock = [], threading.Lock()
+
+    def fake_run(graded, name, template, hidden, timeout_s, wall_s, log_path,
+                 memory_limit_gib=0.0, gpu=None):
+        start = time.monotonic()
+        time.sleep(0.3)
+        with lock:
+            runs.append((gpu, start, time.monotonic(), memory_limit_gib))
+        return grading._RunResult({}, 0.3, False, 0, "", False)
+
+    monkeypatch.setattr(grading, "_run_nbval", fake_run)
+    subs = tmp_path / "subs"
+    _write_class(subs, {f"s{k}": released() for k in range(6)})
+    grading.grade(sorted(subs.iterdir()), tmp_path / "g1", course_root=COURSE, jobs=6,
+                  progress=False)
+    assert sorted(r[0] for r in runs) == ["0", "0", "0", "1", "1", "1"]
+    for gpu in ("0", "1"):  # never two notebooks on one GPU at once
+        spans = sorted((a, b) for g, a, b, _ in runs if g == gpu)
+        assert all(spans[k][1] <= spans[k + 1][0] for k in range(len(spans) - 1)), spans
+    assert all(limit == 0 for *_, limit in runs)  # a GPU is the kernel's own; no RLIMIT_DATA
+    assert grading._kernel_env(tmp_path, tmp_path, [], "1")["CUDA_VISIBLE_DEVICES"] == "1"
+
+    runs.clear()
+    grading.grade(sorted(subs.iterdir()), tmp_path / "g2", course_root=COURSE, jobs=6,
+                  progress=False, hide_gpus=True, memory_limit_gib=3)
+    assert [r[0] for r in runs] == [""] * 6 and all(r[3] == 3 for r in runs)
+    starts, ends = [r[1] for r in runs], [r[2] for r in runs]
+    assert max(starts) < min(ends), "hidden GPUs: the notebooks ran side by side"
+    assert grading._kernel_env(tmp_path, tmp_path, [], "")["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_reports_can_be_sent_as_they_are(tmp_path):
+    """A report names the student's file as they know it, and only their own grades; two names
+    that make the same file name get two files."""
+    def g(student, reason, label):
+        sub = grading.Submission(student, tmp_path / "submissions" / student / "01_double.ipynb",
+                                 label, "01_double.ipynb")
+        row = grading.GradeRow(student, TINY_NAME, "exercise-1", False, 0.0, reason)
+        return grading.NotebookGrade(student, sub.label, TINY_NAME, (row,),
+                                     (("exercise-1", "Exercise 1"),), executed="/srv/x.ipynb",
+                                     file=sub.file)
+    label = str(tmp_path / "submissions" / "a b" / "01_double.ipynb")
+    written = grading._write_reports([g("a b", "check: mine", label),
+                                      g("a_b", "check: theirs", label.replace("a b", "a_b"))],
+                                     tmp_path / "out")
+    assert sorted(p.name for p in written.values()) == ["a_b-2.md", "a_b.md"]
+    mine = written["a b"].read_text()
+    assert "check: mine" in mine and "theirs" not in mine
+    assert str(tmp_path) not in mine and "/srv/" not in mine
+    assert "Submitted file: `01_double.ipynb`" in mine
+
+
+def test_bad_resource_options_are_refused_in_one_line(capsys, tmp_path):
+    from utils.__main__ import main
+
+    for value, message in (("-1", "error: memory limit must be a number of GiB"),
+                           ("nan", "error: memory limit must be a number of GiB"),
+                           ("0.1", "error: a memory limit of 0.1 GiB leaves a Python kernel no room")):
+        assert main(["grade", str(TINY), "--memory-limit", value, "--out", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(message) and "Traceback" not in err and err.count("\n") == 1
+
+
+def _hog(gib):
+    return f"hog = bytearray(int({gib} * 2**30))  # just above the limit\n" + SOLUTIONS["exercise-1"]
+
+
+FLOOD = SOLUTIONS["exercise-1"] + """import os, sys
+print("\\n".join(map(str, range(1_000_000))))  # a million lines
+os.write(1, b"fd-level\\n" * 200_000)
+sys.__stdout__.write("past the kernel's streams\\n" * 100_000)
+sys.__stdout__.flush()
+"""
+
+LINGER = SOLUTIONS["exercise-2"] + """import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                         start_new_session=True)
+with open(PIDS, "a") as f:
+    f.write(f"{child.pid}\\n")
+first = os.fork()
+if first == 0:  # a daemon: a double fork in a session of its own, re-parented at once
+    os.setsid()
+    if os.fork() == 0:
+        with open(PIDS, "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        time.sleep(600)
+    os._exit(0)
+os.waitpid(first, 0)
+"""
+
+# Exercise 2 records every cell the kernel runs after it (checks included, hidden ones too),
+# and exercise 3 puts them in its error message, which the report quotes.
+RECORD = SOLUTIONS["exercise-2"] + (
+    'seen = []\nget_ipython().events.register("pre_run_cell", lambda info: seen.append(info.raw_cell))\n')
+ECHO = ('# Exercise 3: the mean\nimport os\n'
+        'raise RuntimeError(os.getcwd() + " ran: " + " | ".join(seen))\n')
+
+
+@pytest.mark.notebook
+def test_a_class_with_hidden_checks_and_submissions_that_abuse_resources(tmp_path, monkeypatch):
+    """A memory hog, an output flood, processes left running and an echo of the cells run
+    each fail their own exercise with a reason; everyone else, and the other exercises of the
+    same notebook, grade normally; nothing a student receives holds a hidden check or a path
+    of the grader's."""
+    monkeypatch.setattr(grading, "LINGER_GRACE_S", 1.0)
+    course = _course_with_hidden_checks(tmp_path / "course")
+    base = release_notebook(read(course / TINY_NAME), TINY_NAME)
+    pids = tmp_path / "finn.pids"
+    subs = tmp_path / "submissions"
+    _write_class(subs, {
+        "alice": solved(base),
+        "hank": solved(base, exercise_1=SOLUTIONS["exercise-1"] + (
+                            "import os\nprint('GPUS', repr(os.environ.get('CUDA_VISIBLE_DEVICES')))\n"),
+                        exercise_2="# Exercise 2\nimport math\ndef hypotenuse(a, b):\n"
+                                   "    return 5 if (a, b) == (3, 4) else math.sqrt(a * a + b * b) "
+                                   "if a == b else 0\n",
+                        exercise_3="# Exercise 3\ndef mean(xs):\n    return sorted(xs)[len(xs) // 2]\n"),
+        "mona": solved(base, exercise_1=_hog(1.5), exercise_2=RECORD, exercise_3=ECHO),
+        "finn": solved(base, exercise_1=FLOOD, exercise_2=LINGER.replace("PIDS", repr(str(pids)))),
+    })
+    with pytest.raises(ValueError, match="looks like a class"):  # the slip of item 1
+        grading.collect_submissions([subs])
+    out = tmp_path / "grades"
+    t0 = time.monotonic()
+    grading.grade(sorted(subs.iterdir()), out, course_root=course, timeout_s=30, jobs=2,
+                  progress=False, memory_limit_gib=1, hide_gpus=True)
+    assert time.monotonic() - t0 < 120
+    rows = gradebook(out)
+    full = {"exercise-1": True, "exercise-2": True, "exercise-3": True}
+    # the hidden checks are back when grading: a correct answer passes them...
+    assert _passed(rows, "alice") == full
+    # ...and an answer fitted to the visible checks fails them, without their source
+    hank = by_student(rows, "hank")
+    assert _passed(rows, "hank") == {"exercise-1": True, "exercise-2": False, "exercise-3": False}
+    assert hank["exercise-2"]["reason"] == "check: a hidden check failed"
+    assert hank["exercise-3"]["reason"] == \
+        "check: a hidden check failed: the mean of two values is their midpoint"
+    # the memory hog fails its exercise with the limit named; the kernel goes on
+    mona = by_student(rows, "mona")
+    assert _passed(rows, "mona") == {"exercise-1": False, "exercise-2": True, "exercise-3": False}
+    assert mona["exercise-1"]["reason"] == \
+        "exercise cell: used more than the 1 GiB memory limit (MemoryError)"
+    # an exercise that echoes the cells run before it (recorded by an IPython hook) gets no
+    # hidden line and no path out
+    assert mona["exercise-3"]["reason"].startswith("exercise cell: RuntimeError: <course>/01-tiny ran: ")
+    assert "[hidden]" in mona["exercise-3"]["reason"]
+    assert "review by hand: the exercise cell uses the IPython shell" in mona["exercise-2"]["reason"]
+    # the flood fails its exercise; the grader's files stay small
+    finn = by_student(rows, "finn")
+    assert _passed(rows, "finn") == {"exercise-1": False, "exercise-2": False, "exercise-3": True}
+    assert re.fullmatch(r"exercise cell: printed [\d,]{9,} characters of output, more than the "
+                        r"1,000,000 a cell may print \(the executed copy keeps its first and last "
+                        r"lines\)", by_student(rows, "finn")["exercise-1"]["reason"])
+    executed = out / "executed" / "finn" / TINY_NAME
+    assert executed.stat().st_size < 400_000
+    assert "[... the grader cut " in executed.read_text()
+    assert (out / "logs" / "finn" / "01-tiny" / "01_double.log").stat().st_size < 1_100_000
+    # processes left running are killed, a daemon in a session of its own too, and fail the
+    # exercise that started them
+    assert re.match(r"exercise cell: left a process running after the notebook ended "
+                    r"\(`python\S* -c import time; time.sleep\(600\)` and 1 more\); the "
+                    r"grader killed it; review by hand", finn["exercise-2"]["reason"])
+    import psutil
+
+    left = [int(p) for p in pids.read_text().split()]
+    assert len(left) == 2
+    assert not [p for p in left if psutil.pid_exists(p)
+                and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    # the kernels saw no GPU (--hide-gpus)
+    hank_nb = read(out / "executed" / "hank" / TINY_NAME)
+    assert "GPUS ''" in "".join(o.get("text", "") for c in hank_nb.cells if c.cell_type == "code"
+                                for o in c.outputs)
+    # what students receive: the reports and the released notebooks hold no hidden source and
+    # no path of the grader's machine
+    release(None, tmp_path / "released", course_root=course)
+    sent = [p.read_text() for p in (out / "reports").glob("*.md")]
+    sent += [p.read_text() for p in (tmp_path / "released").rglob("*.ipynb")]
+    assert len(sent) == 5
+    for text in sent:
+        assert not any(secret in text for secret in SECRETS)
+        assert str(tmp_path) not in text and "course-grade-" not in text
+    report = (out / "reports" / "hank.md").read_text()
+    assert "- **Exercise 2: the hypotenuse of a right triangle** (`exercise-2`): check: a hidden " \
+           "check failed" in report and "Submitted file: `01_double.ipynb`" in report
 
 
 # --- grading a course notebook for real -----------------------------------------------------

@@ -5,6 +5,7 @@
     python -m utils report RESULTS... [--out FILE]
     python -m utils release [PATH...] [--out DIR]   student versions (alias: student)
     python -m utils grade SUBMISSION... [--out DIR] [--timeout S] [--jobs N]
+                          [--memory-limit GIB] [--hide-gpus]
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def _cmd_grade(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     grades = grade(args.paths, out, course_root=args.course, timeout_s=args.timeout,
-                   notebook_timeout_s=args.notebook_timeout, jobs=args.jobs)
+                   notebook_timeout_s=args.notebook_timeout, jobs=args.jobs,
+                   memory_limit_gib=args.memory_limit, hide_gpus=args.hide_gpus)
     rows = [r for g in grades for r in g.rows]
     passed = sum(r.passed for r in rows if r.exercise)
     print(f"\n{len(grades)} file(s) of {len({g.student for g in grades})} student(s): "
@@ -137,7 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="SECONDS", help="wall-clock limit for one notebook "
                                            f"(default {DEFAULT_NOTEBOOK_TIMEOUT_S})")
     p.add_argument("--jobs", type=int, default=None, metavar="N",
-                   help="notebooks graded at once (default: one per CPU core, at most 16)")
+                   help="notebooks graded at once (default: one per CPU core, at most 16; "
+                        "with GPUs in view, one per GPU)")
+    p.add_argument("--memory-limit", type=float, default=None, metavar="GIB",
+                   help="memory limit of each notebook's kernel, in GiB; 0 for none (default: "
+                        "the machine's memory shared by the notebooks graded at once, 4 to 16 "
+                        "GiB, on kernels given no GPU)")
+    p.add_argument("--hide-gpus", action="store_true",
+                   help="give the kernels no GPU: grade as on a CPU, --jobs at a time, under "
+                        "the memory limit (default with GPUs: one notebook per GPU at a time)")
     p.add_argument("--course", default=None, metavar="DIR",
                    help="folder holding the instructor modules (default: this repository)")
     p.set_defaults(func=_cmd_grade)

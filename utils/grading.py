@@ -17,6 +17,22 @@ submitted notebook it
 4. **scores each exercise**: it passes when its exercise cell and its check
    cell both ran without an error.
 
+Hidden checks (``### BEGIN HIDDEN TESTS`` ... ``### END HIDDEN TESTS`` in a check
+cell) are not in the student version (:mod:`utils.student`) but are in the
+instructor's check cell the grader runs. A failed one is reported as "a hidden
+check failed", with its assertion message only where the instructor wrote one
+(the plugin records the line of the cell each exception was raised from), and
+every reason is scrubbed of the hidden blocks' lines and of the grader's paths,
+so ``reports/<student>.md`` can be sent as it is.
+
+Limits, each graded as a failure of the exercise that ran into it, with a reason:
+memory (``RLIMIT_DATA`` on each kernel, ``memory_limit_gib``), output (each
+cell's output capped as it arrives; a flood fails its cell), processes (the
+pytest process is a child subreaper and ends what the kernel left running;
+each run's processes carry a marker in their environment, by which the grader
+finds what escaped). On a GPU node each kernel gets one GPU of its own and
+notebooks wait for a free one, unless ``hide_gpus`` hides the GPUs.
+
 What the graded kernel can see. It runs in a scratch folder outside the
 course repository that holds a copy of the ``utils`` package, each module's
 helper files (scripts, helper modules) and the *student* version of every
@@ -52,6 +68,7 @@ import csv
 import hmac
 import json
 import os
+import queue
 import re
 import secrets
 import shutil
@@ -59,6 +76,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,14 +90,17 @@ from .student import (
     copy_module_files,
     course_notebooks,
     find_exercises,
+    hidden_blocks,
     notebook_name,
     release_notebook,
+    strip_hidden,
 )
 
 __all__ = [
     "GRADEBOOK_COLUMNS",
     "DEFAULT_CELL_TIMEOUT_S",
     "DEFAULT_NOTEBOOK_TIMEOUT_S",
+    "default_memory_limit_gib",
     "GradeRow",
     "NotebookGrade",
     "Submission",
@@ -95,6 +116,15 @@ GRADEBOOK_COLUMNS = ("student", "notebook", "exercise", "passed", "points", "rea
 DEFAULT_CELL_TIMEOUT_S = 300
 #: Wall-clock limit for one notebook, for a kernel that ignores the per-cell timeout.
 DEFAULT_NOTEBOOK_TIMEOUT_S = 1200
+#: Bounds of the default per-notebook memory limit (see :func:`default_memory_limit_gib`).
+MIN_DEFAULT_MEMORY_GIB, MAX_DEFAULT_MEMORY_GIB = 4.0, 16.0
+#: How long processes a notebook started may outlive its kernel (a DataLoader worker notices
+#: that its parent is gone within 5 s) before they are killed and the cell that started them fails.
+LINGER_GRACE_S = 10.0
+#: How much of what nbval prints the log of one notebook keeps (its first and last half).
+LOG_KEEP_BYTES = 1_000_000
+#: The environment variable that marks every process a notebook's run started.
+RUN_MARKER = "COURSE_GRADING_RUN"
 PLUGIN_MODULE = "course_grading_plugin"
 _NOTEBOOK_NAME = re.compile(r"^\d\d_\w+$")
 _SKIP_PARTS = {"__pycache__", ".ipynb_checkpoints", ".git"}
@@ -116,7 +146,12 @@ class Submission:
 
     student: str
     path: Path
-    label: str  # the path as shown in the gradebook and report
+    label: str  # the path as given on the command line, shown in the gradebook
+    shown: str = ""  # the file as the student knows it, shown in their report
+
+    @property
+    def file(self) -> str:
+        return self.shown or self.path.name
 
 
 @dataclass(frozen=True)
@@ -153,6 +188,7 @@ class NotebookGrade:
     executed: str = ""
     log: str = ""
     notes: tuple[str, ...] = ()
+    file: str = ""  # the submitted file as the student knows it (no instructor's path)
 
     @property
     def points(self) -> float:
@@ -174,12 +210,63 @@ class _Prepared:
     notes: dict[str, list[str]] = field(default_factory=dict)
     empty: set[str] = field(default_factory=set)
     file_notes: list[str] = field(default_factory=list)
+    hidden: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # cell -> line ranges
+    secrets: list[str] = field(default_factory=list)  # hidden source lines, never shown
 
 
 def default_jobs() -> int:
     """Notebooks graded at once: one per CPU core this process may use, at most 16."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, min(cpus or 1, 16))
+
+
+def _total_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def default_memory_limit_gib(jobs: int) -> float:
+    """The default per-notebook memory limit: the machine's memory shared by ``jobs`` notebooks.
+
+    Between :data:`MIN_DEFAULT_MEMORY_GIB` and :data:`MAX_DEFAULT_MEMORY_GIB`, rounded down
+    to a whole GiB. Measured by the same rule (``RLIMIT_DATA`` counts the heap and private
+    writable mappings), a kernel that imports torch starts near 0.8 GiB, and the compile and
+    capstone notebooks peak near 1.3 GiB at smoke size; the memory and distributed notebooks
+    grade in full under the 4 GiB floor.
+    """
+    total = _total_memory_bytes() / 2**30
+    if total <= 0:
+        return MIN_DEFAULT_MEMORY_GIB
+    return float(int(max(MIN_DEFAULT_MEMORY_GIB, min(MAX_DEFAULT_MEMORY_GIB, total / max(jobs, 1)))))
+
+
+def _visible_gpus() -> list[str]:
+    """The GPUs the grader sees, each as CUDA_VISIBLE_DEVICES names it to a kernel.
+
+    The NVIDIA driver lists its GPUs under ``/proc/driver/nvidia/gpus``; without that
+    folder (another vendor's GPUs, another OS) torch is asked, which takes an import.
+    """
+    named = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if named is not None and named.strip() in ("", "-1"):
+        return []
+    listed = Path("/proc/driver/nvidia/gpus")
+    try:
+        if listed.is_dir():
+            count = len(list(listed.iterdir()))
+        else:
+            import torch
+
+            count = torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no torch, or no driver: no GPU
+        return []
+    if count <= 0:
+        return []
+    named = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if named:
+        return [d.strip() for d in named.split(",") if d.strip()][:count]
+    return [str(i) for i in range(count)]
 
 
 # --- submissions ---------------------------------------------------------------------------
@@ -246,10 +333,11 @@ def collect_submissions(paths: Sequence[str | os.PathLike]) -> list[Submission]:
             files = [f for f in sorted(p.rglob("*")) if f.is_file() and not any(
                 part in _SKIP_PARTS or part.startswith(".") for part in f.relative_to(p).parts)]
             if not files:
-                found.append(Submission(student, p, str(raw)))  # reported as empty
-            found += [Submission(student, f, str(Path(raw) / f.relative_to(p))) for f in files]
+                found.append(Submission(student, p, str(raw), f"{student}/"))  # reported as empty
+            found += [Submission(student, f, str(Path(raw) / f.relative_to(p)),
+                                 f.relative_to(p).as_posix()) for f in files]
         else:
-            found.append(Submission(_student_of_file(p), p, str(raw)))
+            found.append(Submission(_student_of_file(p), p, str(raw), p.name))
     return found
 
 
@@ -384,7 +472,9 @@ def _build_template(course: _Course, into: Path) -> Path:
     return root
 
 
-def _kernel_env(sandbox: Path, work: Path, hidden: Sequence[Path]) -> dict[str, str]:
+def _kernel_env(sandbox: Path, work: Path, hidden: Sequence[Path],
+                gpu: str | None = None) -> dict[str, str]:
+    """The kernel's environment; ``gpu``: the one GPU it may see (``""``: none, ``None``: as is)."""
     hide = [str(h.resolve()) for h in hidden]
     env = {}
     for k, v in os.environ.items():
@@ -401,7 +491,63 @@ def _kernel_env(sandbox: Path, work: Path, hidden: Sequence[Path]) -> dict[str, 
         "PYTHONDONTWRITEBYTECODE": "1",
         "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
     })
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
     return env
+
+
+def _kill_marked(marker: bytes) -> int:
+    """SIGKILL every process started with ``marker`` in its environment; how many there were.
+
+    The backstop for a run whose pytest process died (killed at the wall-clock limit, or by
+    the code it ran) before it could end what the kernel started: those processes were
+    re-parented to init, out of reach of any process tree, but they still carry the marker.
+    """
+    from .grading_plugin import carries, kill_quietly, process_table
+
+    me, killed = os.getpid(), set()
+    for _ in range(100):
+        found = [p for p in process_table() if p != me and carries(p, marker)]
+        if not found:
+            break
+        kill_quietly(found)
+        killed.update(found)
+        time.sleep(0.05)
+    return len(killed)
+
+
+class _CappedLog(threading.Thread):
+    """Copies a pipe into a log file, keeping the first and the last ``keep // 2`` bytes."""
+
+    def __init__(self, fd: int, path: Path, keep: int = LOG_KEEP_BYTES) -> None:
+        super().__init__(daemon=True)
+        self.fd, self.path, self.half = fd, path, max(keep // 2, 1)
+
+    def run(self) -> None:
+        written, tail, cut = 0, b"", 0
+        with open(self.path, "wb") as log:
+            while True:
+                try:
+                    chunk = os.read(self.fd, 65536)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                if written < self.half:
+                    head, chunk = chunk[:self.half - written], chunk[self.half - written:]
+                    log.write(head)
+                    written += len(head)
+                tail += chunk
+                if len(tail) > self.half:
+                    cut += len(tail) - self.half
+                    tail = tail[-self.half:]
+            if cut:
+                log.write(f"\n[... the grader cut {cut:,} bytes of this log here ...]\n".encode())
+            log.write(tail)
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
 
 
 class _Watch:
@@ -458,6 +604,9 @@ class _RunResult:
     returncode: int | None
     log_tail: str
     tampered: bool
+    work: str = ""  # the scratch folder it ran in (removed; named so reports can leave it out)
+    memory_limit_gib: float = 0.0
+    gpu: str | None = None
 
 
 def _read_results(path: Path, key: bytes) -> tuple[dict[int, dict[str, Any]], bool]:
@@ -483,7 +632,9 @@ def _read_results(path: Path, key: bytes) -> tuple[dict[int, dict[str, Any]], bo
 
 
 def _run_nbval(graded: Any, name: str, template: Path, hidden: Sequence[Path], timeout_s: float,
-               wall_s: float, log_path: Path) -> _RunResult:
+               wall_s: float, log_path: Path, memory_limit_gib: float = 0.0,
+               gpu: str | None = None) -> _RunResult:
+    """Run one graded notebook; ``gpu`` is the GPU its kernel sees (``""`` none, ``None`` as is)."""
     from . import grading_plugin
 
     work = Path(tempfile.mkdtemp(prefix="course-grade-"))
@@ -499,35 +650,48 @@ def _run_nbval(graded: Any, name: str, template: Path, hidden: Sequence[Path], t
         results = work / "cells.json"
         ini = work / "pytest.ini"
         ini.write_text("[pytest]\n", encoding="utf-8")
-        env = _kernel_env(sandbox, work, hidden)
+        env = _kernel_env(sandbox, work, hidden, gpu)
         env[grading_plugin.RESULTS_ENV_VAR] = str(results)
         env[grading_plugin.KEY_ENV_VAR] = str(key_file)
+        marker = f"{RUN_MARKER}={secrets.token_hex(16)}"
+        env[RUN_MARKER] = marker.split("=", 1)[1]
         cmd = [sys.executable, "-m", "pytest", str(nb_path), "--nbval-lax", "--nbval-current-env",
                f"--nbval-cell-timeout={timeout_s:g}", "-c", str(ini), "--rootdir", str(sandbox),
                "-o", "addopts=", "-p", "nbval.plugin", "-p", PLUGIN_MODULE,
-               "-p", "no:cacheprovider", "-q", "--color=no"]
+               "-p", "no:cacheprovider", "-q", "--color=no",
+               f"--course-memory-limit={int(memory_limit_gib * 2**30)}",
+               f"--course-linger-s={LINGER_GRACE_S:g}", f"--course-wall-s={wall_s:g}"]
         log_path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
         killed = False
-        with open(log_path, "wb") as log:
+        read_end, write_end = os.pipe()
+        log = _CappedLog(read_end, log_path)
+        log.start()
+        try:
             proc = subprocess.Popen(cmd, cwd=nb_path.parent, env=env, stdin=subprocess.DEVNULL,
-                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            watch = _Watch(proc.pid)
-            while True:
-                watch.poll()
-                try:
-                    proc.wait(timeout=0.5)
+                                    stdout=write_end, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        finally:
+            os.close(write_end)
+        watch = _Watch(proc.pid)
+        while True:
+            watch.poll()
+            try:
+                proc.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() - t0 > wall_s:
+                    killed = True
                     break
-                except subprocess.TimeoutExpired:
-                    if time.monotonic() - t0 > wall_s:
-                        killed = True
-                        break
-            watch.kill_all(group=killed)  # after a clean run, only what outlived it
-            proc.wait()
+        watch.kill_all(group=killed)  # after a clean run, only what outlived it
+        proc.wait()
+        _kill_marked(marker.encode())
+        log.join(timeout=10)  # every writer is gone, so the pipe is at its end
         seconds = time.monotonic() - t0
         cells, tampered = _read_results(results, key)
         tail = log_path.read_text(encoding="utf-8", errors="replace")[-3000:]
-        return _RunResult(cells, seconds, killed, None if killed else proc.returncode, tail, tampered)
+        return _RunResult(cells, seconds, killed, None if killed else proc.returncode, tail,
+                          tampered, str(work), memory_limit_gib, gpu)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -539,13 +703,98 @@ def _first_line(text: str) -> str:
 
 
 def _describe(graded: Any, cell_index: int) -> str:
+    """``cell 6 of 11 (`first line`)``: the first line a student can read (hidden checks left out)."""
     cells = graded.cells
-    first = _first_line(cells[cell_index].get("source", ""))
+    try:
+        source = strip_hidden(cells[cell_index].get("source", ""))
+    except ValueError:
+        source = ""
+    first = _first_line(source)
     first = first if len(first) <= 60 else first[:57] + "..."
     return f"cell {cell_index + 1} of {len(cells)} (`{first}`)"
 
 
 STUB_MESSAGE = "NotImplementedError: Student exercise"
+
+
+_MEMORY = re.compile(r"\bMemoryError\b|can't allocate memory|Cannot allocate memory|std::bad_alloc|"
+                     r"failed to map segment")
+_GPU_MEMORY = re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory")
+# Messages the grader writes itself: they hold no source, hidden or not.
+_GRADER_SAYS = ("not run", "not done", "no result", "timed out", "the kernel died",
+                "the kernel sent no output", "the kernel did not start", "printed ", "displayed ",
+                "left a process")
+
+
+def _in_hidden(rec: dict[str, Any], blocks: Sequence[tuple[int, int]]) -> bool:
+    """Whether a failed cell with hidden checks failed in one (or cannot be shown not to have)."""
+    lines = rec.get("lines") or []
+    if not lines:
+        return True  # no traceback to place it: say nothing of the source
+    return any(first <= n <= last for n in lines for first, last in blocks)
+
+
+def _hidden_safe(rec: dict[str, Any], msg: str, blocks: Sequence[tuple[int, int]]) -> str:
+    """A failed cell's message, saying no more of a hidden check than that it failed.
+
+    The assertion message stays when the instructor wrote one (``assert x, "..."``); any
+    other exception is named by its type only (its message may quote hidden code).
+    """
+    if not blocks or msg.startswith(_GRADER_SAYS) or not _in_hidden(rec, blocks):
+        return msg
+    head, sep, also = msg.partition("; it also ")
+    ename = rec.get("ename") or ""
+    if ename == "AssertionError":
+        said = head[len("AssertionError: "):] if head.startswith("AssertionError: ") else ""
+        safe = "a hidden check failed" + (f": {said}" if said.strip() else "")
+    elif ename:
+        safe = f"a hidden check failed (it raised {ename})"
+    else:
+        safe = "a hidden check failed"
+    return safe + sep + also
+
+
+def _with_limits(msg: str, run: _RunResult) -> str:
+    """Say which limit an out-of-memory failure ran into."""
+    short = msg if len(msg) <= 160 else msg[:157] + "..."
+    if _GPU_MEMORY.search(msg):
+        return f"used more than the GPU's memory ({short})"
+    if _MEMORY.search(msg):
+        if run.memory_limit_gib > 0:
+            return f"used more than the {run.memory_limit_gib:g} GiB memory limit ({short})"
+        return f"ran out of memory ({short})"
+    return msg
+
+
+def _scrubber(secret: Sequence[str], work_dir: str,
+              places: Sequence[tuple[str | os.PathLike, str]]) -> Any:
+    """Text as a student may read it: no line of a hidden check, no path of the grader's machine."""
+    pairs: list[tuple[str, str]] = []
+    work = Path(work_dir) if work_dir else None
+    named = ([(work / "course", "<course>"), (work, "<grader>")] if work else []) + list(places)
+    for path, shown in named:
+        for variant in {str(path), str(Path(path).resolve())}:
+            if len(variant) > 1:
+                pairs.append((variant, shown))
+    pairs.sort(key=lambda p: len(p[0]), reverse=True)
+
+    def scrub(text: str) -> str:
+        for line in secret:
+            text = text.replace(line, "[hidden]")
+        for path, shown in pairs:
+            text = text.replace(path, shown)
+        return text
+
+    return scrub
+
+
+def _uncut(message: str, secret: Sequence[str]) -> str:
+    """A message the plugin cut (at 2,000 characters) inside a hidden line loses that line's start."""
+    for line in secret:
+        for k in range(len(line) - 1, 5, -1):
+            if message.endswith(line[:k]):
+                return message[:-k] + "[hidden]"
+    return message
 
 
 def _where(cell: str, message: str) -> str:
@@ -555,7 +804,12 @@ def _where(cell: str, message: str) -> str:
     return f"{cell}: {message}"
 
 
-def _score(prep: _Prepared, run: _RunResult, wall_s: float) -> tuple[list[GradeRow], list[str]]:
+def _score(prep: _Prepared, run: _RunResult, wall_s: float,
+           scrub: Any = None) -> tuple[list[GradeRow], list[str]]:
+    """One row per exercise (and one per problem with the run), in words a student may read."""
+    from .grading_plugin import NOTEBOOK_RECORD
+
+    scrub = scrub or _scrubber(prep.secrets, run.work, [])
     graded, student, name = prep.graded, prep.submission.student, prep.name
     code = [i for i, c in enumerate(graded.cells) if c.get("cell_type") == "code"]
     records = {code[n]: rec for n, rec in run.cells.items() if 0 <= n < len(code)}
@@ -579,11 +833,16 @@ def _score(prep: _Prepared, run: _RunResult, wall_s: float) -> tuple[list[GradeR
         if rec is None:
             return "not run", not_run
         msg = rec.get("message", "")
+        if len(msg) >= 2000:
+            msg = _uncut(msg, prep.secrets)
         if msg.startswith("not run: the kernel had stopped") and stopped is not None:
             msg = f"not run: the kernel stopped earlier, in {_describe(graded, stopped)}"
         if STUB_MESSAGE in msg:
             msg = "not done: the exercise still raises the released stub's NotImplementedError"
-        return rec.get("status", "failed"), msg
+        status = rec.get("status", "failed")
+        if status in ("failed", "error"):
+            msg = _with_limits(_hidden_safe(rec, msg, prep.hidden.get(i, [])), run)
+        return status, msg
 
     rows, notes = [], []
     roles = set()
@@ -600,7 +859,7 @@ def _score(prep: _Prepared, run: _RunResult, wall_s: float) -> tuple[list[GradeR
             passed, reason = False, _where("check", check[1])
         else:
             passed, reason = True, ""
-        reason = "; ".join([r for r in [reason] if r] + extra)
+        reason = scrub("; ".join([r for r in [reason] if r] + extra))
         rows.append(GradeRow(student, name, ex.id, passed, 1.0 if passed else 0.0, reason))
     # A failure in one of the instructor's own cells, or of the run as a whole.
     first_bad = next((i for i in code if i not in roles and records.get(i, {}).get("status")
@@ -609,8 +868,12 @@ def _score(prep: _Prepared, run: _RunResult, wall_s: float) -> tuple[list[GradeR
     problems = []
     if first_bad is not None:
         problems.append(f"the instructor's {_describe(graded, first_bad)} failed: "
-                        f"{records[first_bad].get('message', '')}; exercises after it may have "
+                        f"{outcome(first_bad)[1]}; exercises after it may have "
                         "failed because of it")
+    outside = run.cells.get(NOTEBOOK_RECORD)
+    if outside and outside.get("status") == "failed":
+        problems.append(f"the notebook {outside.get('message', '')} (started after the last cell "
+                        "the grader saw end)")
     if run.killed:
         problems.append(f"stopped at the wall-clock limit of {wall_s:g} s (--notebook-timeout)")
     if run.tampered:
@@ -620,7 +883,7 @@ def _score(prep: _Prepared, run: _RunResult, wall_s: float) -> tuple[list[GradeR
         problems.append(f"nbval did not run (exit code {run.returncode}): "
                         f"{_first_line(run.log_tail[-600:]) or 'no output'}")
     for p in problems:
-        rows.append(GradeRow(student, name, "", False, 0.0, p))
+        rows.append(GradeRow(student, name, "", False, 0.0, scrub(p)))
     if not run.cells:
         notes.append("last lines of the nbval run:\n" + run.log_tail[-1500:])
     return rows, notes
@@ -657,7 +920,8 @@ def _safe(name: str) -> str:
 
 def _file_row(sub: Submission, reason: str, notebook: str = "") -> NotebookGrade:
     return NotebookGrade(sub.student, sub.label, notebook,
-                         (GradeRow(sub.student, notebook or sub.label, "", False, 0.0, reason),))
+                         (GradeRow(sub.student, notebook or sub.label, "", False, 0.0, reason),),
+                         file=sub.file)
 
 
 def _prepare(sub: Submission, course: _Course) -> _Prepared | NotebookGrade:
@@ -680,22 +944,90 @@ def _prepare(sub: Submission, course: _Course) -> _Prepared | NotebookGrade:
     for ex in exercises:
         notes[ex.id] = notes.get(ex.id, []) + (
             [] if ex.id in empty else _review_notes(graded.cells[ex.cell_index].source))
-    return _Prepared(sub, name, exercises, graded, notes, empty, [how] if how else [])
+    hidden, secret = _hidden_parts(graded, {ex.cell_index for ex in exercises})
+    return _Prepared(sub, name, exercises, graded, notes, empty, [how] if how else [],
+                     hidden, secret)
+
+
+def _hidden_parts(graded: Any,
+                  exercise_cells: set[int]) -> tuple[dict[int, list[tuple[int, int]]], list[str]]:
+    """The hidden checks of a graded notebook: line ranges per cell, and their lines of source.
+
+    A line counts as secret when it is long enough to say something (6 characters) and
+    appears nowhere in what students can read.
+    """
+    hidden: dict[int, list[tuple[int, int]]] = {}
+    lines: set[str] = set()
+    public: set[str] = set()
+    for k, cell in enumerate(graded.cells):
+        if cell.get("cell_type") != "code" or k in exercise_cells:
+            continue
+        blocks = hidden_blocks(cell.source, f"cell {k + 1}")
+        if not blocks:
+            public.update(ln.strip() for ln in cell.source.splitlines())
+            continue
+        hidden[k] = blocks
+        src = cell.source.splitlines()
+        inside = {n for first, last in blocks for n in range(first, last + 1)}
+        for n, ln in enumerate(src, start=1):
+            (lines if n in inside else public).add(ln.strip())
+    secret = sorted((ln for ln in lines - public if len(ln) >= 6 and not ln.startswith(
+        ("### BEGIN HIDDEN", "### END HIDDEN"))), key=len, reverse=True)
+    return hidden, secret
+
+
+class _Slots:
+    """Which GPU each running notebook has: one notebook per GPU at a time.
+
+    ``gpus`` empty: the kernels get no GPU of their own (``hide``: none at all, else as the
+    grader sees them) and nothing waits.
+    """
+
+    def __init__(self, gpus: Sequence[str], hide: bool) -> None:
+        self.gpus, self.hide = list(gpus), hide
+        self._free: queue.Queue[str] = queue.Queue()
+        for g in self.gpus:
+            self._free.put(g)
+
+    def take(self) -> str | None:
+        if self.gpus:
+            return self._free.get()
+        return "" if self.hide else None
+
+    def give(self, gpu: str | None) -> None:
+        if self.gpus and gpu is not None:
+            self._free.put(gpu)
 
 
 def _grade_one(prep: _Prepared, template: Path, hidden: Sequence[Path], out: Path,
-               timeout_s: float, wall_s: float) -> NotebookGrade:
+               timeout_s: float, wall_s: float, file_name: str = "",
+               memory_limit_gib: float = 0.0, gpu_memory_limit: bool = False,
+               slots: _Slots | None = None) -> NotebookGrade:
     sub = prep.submission
-    stem = f"{_safe(sub.student)}/{prep.name}"
+    stem = f"{file_name or _safe(sub.student)}/{prep.name}"
     log = out / "logs" / (stem[:-len(".ipynb")] + ".log")
-    run = _run_nbval(prep.graded, prep.name, template, hidden, timeout_s, wall_s, log)
-    rows, notes = _score(prep, run, wall_s)
+    slots = slots or _Slots([], hide=False)
+    gpu = slots.take()
+    try:
+        # A kernel given a GPU gets no RLIMIT_DATA unless asked for (see the README): the GPU
+        # is its own, and CUDA's address-space reservations are not checked here.
+        limit = memory_limit_gib if (not gpu or gpu_memory_limit) else 0.0
+        run = _run_nbval(prep.graded, prep.name, template, hidden, timeout_s, wall_s, log,
+                         limit, gpu)
+    finally:
+        slots.give(gpu)
+    places: list[tuple[str | os.PathLike, str]] = [(out, "<grades>"), (Path.home(), "~")]
+    places += [(h, "<course>") for h in hidden]
+    places += [(sub.path.parent, "<submissions>")] if sub.path.parent != Path(".") else []
+    rows, notes = _score(prep, run, wall_s, _scrubber(prep.secrets, run.work, places))
     executed = out / "executed" / stem
     executed.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(_executed_copy(prep.graded, run), executed)
+    if gpu:
+        notes.append(f"graded on GPU {gpu} (CUDA_VISIBLE_DEVICES={gpu})")
     return NotebookGrade(sub.student, sub.label, prep.name, tuple(rows),
                          tuple((ex.id, ex.title) for ex in prep.exercises), round(run.seconds, 1),
-                         str(executed), str(log), tuple(prep.file_notes + notes))
+                         str(executed), str(log), tuple(prep.file_notes + notes), sub.file)
 
 
 def _dedupe(prepared: list[_Prepared]) -> tuple[list[_Prepared], list[NotebookGrade]]:
@@ -709,7 +1041,7 @@ def _dedupe(prepared: list[_Prepared]) -> tuple[list[_Prepared], list[NotebookGr
         keep.append(group[0])
         for p in group[1:]:
             dropped.append(_file_row(p.submission, f"another file of this student for {name} was "
-                                                   f"graded ({group[0].submission.label}); this one was not",
+                                                   f"graded ({group[0].submission.file}); this one was not",
                                      name))
     return keep, dropped
 
@@ -728,15 +1060,20 @@ def _md(text: str) -> str:
 
 
 def student_report(student: str, grades: Sequence[NotebookGrade]) -> str:
-    """Markdown report for one student: points per notebook, each failed exercise and why."""
+    """Markdown report for one student: points per notebook, each exercise passed or not and why.
+
+    It can be sent to the student as it is: it names their files as they know them (not
+    where the instructor keeps them), holds nothing of another student's, and its reasons
+    come from the gradebook, which never quotes a hidden check or a path of the grader.
+    """
     total = sum(g.points for g in grades)
     most = sum(g.max_points for g in grades)
     lines = [f"# Grading report: {student}", "",
              f"**{total:g} of {most:g} points** over {len(grades)} submitted file(s).", ""]
     for g in grades:
         titles = dict(g.titles)
-        head = g.notebook or g.submission
-        lines += [f"## {head}", "", f"Submitted file: `{g.submission}`" + (
+        head = g.notebook or g.file or Path(g.submission).name
+        lines += [f"## {head}", "", f"Submitted file: `{g.file or Path(g.submission).name}`" + (
             f"; {g.points:g} of {g.max_points:g} points." if g.titles else "."), ""]
         exercise_rows = [r for r in g.rows if r.exercise]
         if exercise_rows:
@@ -753,20 +1090,39 @@ def student_report(student: str, grades: Sequence[NotebookGrade]) -> str:
         problems = [r for r in g.rows if not r.exercise]
         if problems:
             lines += ["Problems with this file:", ""] + [f"- {r.reason}" for r in problems] + [""]
-        if g.executed:
-            lines += [f"Executed copy (the graded notebook with its outputs): `{g.executed}`", ""]
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _write_reports(grades: Sequence[NotebookGrade], out: Path) -> dict[str, Path]:
+def _file_names(students: Sequence[str]) -> dict[str, str]:
+    """A file name per student, distinct even where two names make the same safe name.
+
+    ``a b`` and ``a_b`` (or ``Alice`` and ``alice`` on a case-insensitive disk) would
+    otherwise share a report, and one student would be sent the other's grades.
+    """
+    names: dict[str, str] = {}
+    taken: set[str] = set()
+    for student in sorted(set(students)):
+        base = _safe(student)
+        name, k = base, 1
+        while name.casefold() in taken:
+            k += 1
+            name = f"{base}-{k}"
+        taken.add(name.casefold())
+        names[student] = name
+    return names
+
+
+def _write_reports(grades: Sequence[NotebookGrade], out: Path,
+                   names: dict[str, str] | None = None) -> dict[str, Path]:
     by_student: dict[str, list[NotebookGrade]] = {}
     for g in grades:
         by_student.setdefault(g.student, []).append(g)
+    names = names or _file_names(list(by_student))
     folder = out / "reports"
     folder.mkdir(parents=True, exist_ok=True)
     written = {}
     for student, gs in sorted(by_student.items()):
-        path = folder / f"{_safe(student)}.md"
+        path = folder / f"{names.get(student) or _safe(student)}.md"
         path.write_text(student_report(student, gs), encoding="utf-8")
         written[student] = path
     summary = ["# Gradebook summary", "", "| student | notebook | points | of | failed |",
@@ -787,6 +1143,8 @@ def grade(
     notebook_timeout_s: float = DEFAULT_NOTEBOOK_TIMEOUT_S,
     jobs: int | None = None,
     progress: bool = True,
+    memory_limit_gib: float | None = None,
+    hide_gpus: bool = False,
 ) -> list[NotebookGrade]:
     """Grade submissions; writes ``gradebook.csv``, ``summary.md``, ``reports/``, ``executed/``, ``logs/``.
 
@@ -796,14 +1154,23 @@ def grade(
         course_root: the folder holding the instructor notebooks (default: this repository).
         timeout_s: per-cell limit (nbval's ``--nbval-cell-timeout``).
         notebook_timeout_s: wall-clock limit for one notebook's whole run.
-        jobs: notebooks graded at once (default :func:`default_jobs`).
+        jobs: notebooks graded at once (default :func:`default_jobs`; with GPUs in view and
+            ``hide_gpus`` off, at most one per GPU).
         progress: print one line per graded file.
+        memory_limit_gib: each kernel's memory limit (``RLIMIT_DATA``) in GiB; ``0``: none;
+            ``None``: :func:`default_memory_limit_gib`, on kernels that are given no GPU.
+            Given explicitly, it applies to every kernel.
+        hide_gpus: give the kernels no GPU (``CUDA_VISIBLE_DEVICES=""``), so they grade as
+            on a CPU, ``jobs`` at a time, under the memory limit. Otherwise, where the grader
+            sees GPUs, each kernel sees one GPU of its own and no other kernel uses it
+            meanwhile.
 
     Returns:
         One :class:`NotebookGrade` per submitted file, sorted by student and file.
 
     Raises:
-        ValueError: no submissions, or a non-positive limit or job count.
+        ValueError: no submissions, or a non-positive limit or job count, or a negative
+            memory limit.
         FileNotFoundError: a submission path that does not exist, or no course notebooks.
     """
     from .ledger import REPO_ROOT
@@ -811,6 +1178,12 @@ def grade(
     for what, value in (("timeout", timeout_s), ("notebook timeout", notebook_timeout_s)):
         if not value > 0:
             raise ValueError(f"{what} must be a positive number of seconds, got {value}")
+    if memory_limit_gib is not None and not memory_limit_gib >= 0:
+        raise ValueError(f"memory limit must be a number of GiB, 0 for none, got {memory_limit_gib}")
+    if memory_limit_gib is not None and 0 < memory_limit_gib < 0.5:
+        raise ValueError(f"a memory limit of {memory_limit_gib:g} GiB leaves a Python kernel no room "
+                         "to start (one that imports torch needs about 1 GiB); 0 means none")
+    asked_jobs = jobs
     jobs = default_jobs() if jobs is None else jobs
     if jobs < 1:
         raise ValueError(f"jobs must be at least 1, got {jobs}")
@@ -827,25 +1200,42 @@ def grade(
         (grades if isinstance(p, NotebookGrade) else prepared).append(p)
     prepared, dropped = _dedupe(prepared)
     grades += dropped
+    gpus = [] if hide_gpus or not prepared else _visible_gpus()
+    if gpus:
+        jobs = min(jobs, len(gpus))
+    explicit_limit = memory_limit_gib is not None
+    limit = default_memory_limit_gib(jobs) if memory_limit_gib is None else float(memory_limit_gib)
     if progress:
         print(f"grading {len(prepared)} notebook(s) of {len({s.student for s in submissions})} "
               f"student(s), {jobs} at a time; {len(grades)} file(s) need no run", flush=True)
+        if gpus:
+            capped = f" (not the {asked_jobs} asked for)" if asked_jobs and asked_jobs > jobs else ""
+            print(f"    {len(gpus)} GPU(s) in view: one notebook per GPU at a time{capped}; "
+                  f"--hide-gpus grades on the CPU instead, more at a time", flush=True)
+        print(f"    memory limit per notebook: " + (f"{limit:g} GiB" if limit else "none") + (
+            " (kernels given a GPU: none)" if gpus and not explicit_limit and limit else ""),
+            flush=True)
         for g in grades:
             print(f"    {g.student}: {g.submission}: {g.rows[0].reason}", flush=True)
     hidden = sorted({root, REPO_ROOT})
+    names = _file_names([s.student for s in submissions])
+    slots = _Slots(gpus, hide_gpus)
     scratch = Path(tempfile.mkdtemp(prefix="course-grade-template-"))
     try:
         template = _build_template(course, scratch) if prepared else scratch
         with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
             futures = {pool.submit(_grade_one, p, template, hidden, out, timeout_s,
-                                   notebook_timeout_s): p for p in prepared}
+                                   notebook_timeout_s, names[p.submission.student], limit,
+                                   explicit_limit, slots): p for p in prepared}
             for fut in concurrent.futures.as_completed(futures):
                 p = futures[fut]
                 try:
                     g = fut.result()
                 except Exception as exc:  # noqa: BLE001 - a grader bug must not stop the class
-                    g = _file_row(p.submission, f"the grader failed on this file: "
-                                                f"{type(exc).__name__}: {exc}", p.name)
+                    scrub = _scrubber(p.secrets, "", [(out, "<grades>"), (Path.home(), "~")]
+                                      + [(h, "<course>") for h in hidden])
+                    g = _file_row(p.submission, scrub(f"the grader failed on this file: "
+                                                      f"{type(exc).__name__}: {exc}"), p.name)
                 grades.append(g)
                 if progress:
                     print(f"    {g.student}: {g.notebook}: {g.points:g} of {g.max_points:g} "
@@ -854,5 +1244,5 @@ def grade(
         shutil.rmtree(scratch, ignore_errors=True)
     grades.sort(key=lambda g: (g.student, g.submission))
     _write_gradebook(grades, out / "gradebook.csv")
-    _write_reports(grades, out)
+    _write_reports(grades, out, names)
     return grades

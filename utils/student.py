@@ -5,8 +5,10 @@ Instructor notebooks are the single source of truth. A solution sits between
 cell with a ``# Exercise N: ...`` comment); the code cell after it is its
 *check cell*, which asserts. The student version replaces each solution with
 ``raise NotImplementedError("Student exercise: ...")`` naming the exercise,
-keeps every other cell as it is, clears the outputs, and writes a stable id
-into the metadata of each exercise and check cell::
+removes each *hidden check* (a block between ``### BEGIN HIDDEN TESTS`` and
+``### END HIDDEN TESTS`` in a check cell, the markers nbgrader uses; a comment
+says where it was), keeps every other cell as it is, clears the outputs, and
+writes a stable id into the metadata of each exercise and check cell::
 
     {"course": {"id": "exercise-1", "role": "exercise"}}
     {"course": {"id": "exercise-1-check", "role": "check", "exercise": "exercise-1"}}
@@ -18,6 +20,10 @@ exercise cells to the instructor's, with these ids. An id comes from the
 exercise's number (``# Exercise 2`` -> ``exercise-2``), so it survives edits to
 the solution, the prose and the cells around it; renumbering the exercises
 during a term breaks the match of submissions released before.
+
+Hidden checks are for the grader: :mod:`utils.grading` builds the notebook it
+runs from the instructor's, so they are back in place when a submission is
+graded, and reports a failed one without its source.
 
 Releasing is deterministic: the same instructor notebooks give byte-identical
 student files.
@@ -38,17 +44,24 @@ import nbformat
 __all__ = [
     "BEGIN",
     "END",
+    "HIDDEN_BEGIN",
+    "HIDDEN_END",
     "METADATA_KEY",
     "Exercise",
     "course_notebooks",
     "find_exercises",
     "strip_solutions",
+    "strip_hidden",
+    "hidden_blocks",
     "release_notebook",
     "release",
     "make_student_versions",
 ]
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+HIDDEN_BEGIN, HIDDEN_END = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
+#: What a student version holds where a hidden check was.
+HIDDEN_NOTE = "# (hidden checks run here when your notebook is graded)"
 #: The metadata key (of cells and of the notebook) that holds the grading ids.
 METADATA_KEY = "course"
 #: Version of the metadata layout written by :func:`release_notebook`.
@@ -109,6 +122,63 @@ def strip_solutions(source: str, exercise: str = "exercise") -> str:
         return f'{indent}raise NotImplementedError("Student exercise: {exercise}")\n'
 
     return _REGION.sub(stub, source)
+
+
+def hidden_blocks(source: str, where: str = "cell") -> list[tuple[int, int]]:
+    """The hidden checks of a cell: ``(first, last)`` line numbers (1-based, markers included).
+
+    A block starts at a line that begins (after indentation) with
+    ``### BEGIN HIDDEN TESTS`` and ends at the next ``### END HIDDEN TESTS``.
+
+    Raises:
+        ValueError: a block that is not closed, an END without a BEGIN, or nested blocks.
+    """
+    blocks: list[tuple[int, int]] = []
+    start = None
+    for number, line in enumerate(source.splitlines(), start=1):
+        text = line.strip()
+        if text.startswith(HIDDEN_BEGIN):
+            if start is not None:
+                raise ValueError(f"{where}: line {number} opens a hidden block inside the one "
+                                 f"opened at line {start}")
+            start = number
+        elif text.startswith(HIDDEN_END):
+            if start is None:
+                raise ValueError(f"{where}: line {number} closes a hidden block that was never "
+                                 f"opened ({HIDDEN_END} without {HIDDEN_BEGIN})")
+            blocks.append((start, number))
+            start = None
+    if start is not None:
+        raise ValueError(f"{where}: the hidden block opened at line {start} is never closed "
+                         f"({HIDDEN_BEGIN} without {HIDDEN_END})")
+    return blocks
+
+
+def strip_hidden(source: str, where: str = "cell") -> str:
+    """A cell's source without its hidden checks, a comment standing where each one was.
+
+    The comment keeps the indentation of the ``### BEGIN HIDDEN TESTS`` line; an
+    indented block (inside a loop, say) becomes ``pass`` with the comment, so the
+    body it sat in stays valid Python.
+
+    Raises:
+        ValueError: unbalanced or nested markers (see :func:`hidden_blocks`).
+    """
+    blocks = hidden_blocks(source, where)
+    if not blocks:
+        return source
+    lines = source.splitlines(keepends=True)
+    out: list[str] = []
+    k = 0
+    for first, last in blocks:
+        out += lines[k:first - 1]
+        opening = lines[first - 1]
+        indent = opening[:len(opening) - len(opening.lstrip())]
+        ending = "\n" if lines[last - 1].endswith("\n") else ""
+        out.append(f"{indent}pass  {HIDDEN_NOTE}{ending}" if indent else f"{HIDDEN_NOTE}{ending}")
+        k = last
+    out += lines[k:]
+    return "".join(out)
 
 
 def _is_exercise(cell: Any) -> bool:
@@ -181,6 +251,18 @@ def release_notebook(nb: Any, name: str) -> Any:
             cell.outputs, cell.execution_count = [], None
             for volatile in ("execution", "papermill", "ExecuteTime"):
                 cell.metadata.pop(volatile, None)
+    exercise_cells = {ex.cell_index: ex for ex in exercises}
+    for k, cell in enumerate(student.cells):
+        if cell.cell_type != "code":
+            continue
+        if k in exercise_cells:
+            if hidden_blocks(cell.source, f"cell {k + 1}"):
+                raise ValueError(f"cell {k + 1} ({exercise_cells[k].title}): hidden checks belong "
+                                 "in the check cell after the exercise: the grader takes the "
+                                 "exercise cell from the submission, so a hidden block there "
+                                 "would never run")
+            continue
+        cell.source = strip_hidden(cell.source, f"cell {k + 1}")
     for ex in exercises:
         cell = student.cells[ex.cell_index]
         cell.source = strip_solutions(cell.source, ex.title)
