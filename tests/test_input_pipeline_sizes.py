@@ -35,6 +35,9 @@ class _Ledger:
     def __init__(self, *args, **kwargs):
         pass
 
+    def set_sizes(self, tier, sizes):
+        pass
+
 
 @pytest.mark.parametrize("cores", [1, 2, 4, 16, 64, 128])
 @pytest.mark.parametrize("smoke", [True, False])
@@ -50,10 +53,12 @@ def test_dataset_holds_every_worker_count_the_notebook_or_its_check_allows(
         exec(_cell("SMOKE = utils.resolve_smoke(SMOKE)"), ns)
     finally:
         torch.set_num_threads(threads)
-    batches = ns["N_ITEMS"] // ns["BATCH"]
+    S = ns["S"]
+    assert S.tier == ("smoke" if smoke else ("gpu" if cuda else "cpu"))
+    batches = ns["N_ITEMS"] // S.batch
     allowed = set(ns["WORKER_COUNTS"]) | set(range(1, ns["MAX_WORKERS"] + 1))
     for k in allowed:
-        need = utils.sizes.loader_batches_needed(k, ns["MIN_TIMED"])
+        need = utils.sizes.loader_batches_needed(k, S.min_timed)
         assert need <= batches, f"{cores} cores, smoke={smoke}: {k} workers need {need} batches"
     assert ns["MAX_WORKERS"] == utils.sizes.loader_workers(cores, smoke=smoke)
     assert 1 <= ns["MAIN_THREADS"] <= max(cores, 1)

@@ -119,14 +119,6 @@ def test_correctness_is_checked_before_timing(nb_path):
 #: Notebooks whose sizes are still written by hand, not yet read from one size table
 #: (issue 26). The list only shrinks: a notebook on it that has a table fails the test below.
 NOT_YET_TABLED = {
-    "00-foundations/01_measuring_performance",
-    "00-foundations/02_bottlenecks",
-    "00-foundations/03_input_pipeline",
-    "01-torch-compile/01_compile_basics",
-    "01-torch-compile/02_graph_breaks",
-    "01-torch-compile/03_dynamic_shapes",
-    "01-torch-compile/04_regional_compilation_and_caching",
-    "01-torch-compile/05_beyond_the_model",
     "04-memory-efficiency/01_anatomy_of_training_memory",
     "04-memory-efficiency/02_activation_checkpointing",
     "04-memory-efficiency/03_offloading_and_compression",
