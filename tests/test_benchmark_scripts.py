@@ -21,9 +21,10 @@ import pytest
 import torch
 
 from conftest import REPO
-from utils import claims, cli, ladder
+from utils import cli, ladder
+from utils.course import claims
 from utils.ledger import MET, NOT_MET, Ledger
-from utils.report import markdown_report, scan_results
+from utils.course.report import markdown_report, scan_results
 
 COMPILE = REPO / "01-torch-compile" / "compile_benchmark.py"
 AMP = REPO / "02-mixed-precision" / "amp_training.py"
@@ -373,7 +374,7 @@ def test_the_results_page_carries_the_claims_table_as_rendered():
     """results/RESULTS.md is rendered by `python -m utils report results --out
     results/RESULTS.md --figures results/figures`: every claim has its row there, with the
     verdict the registry gives the recorded ledgers today (render the page again after
-    changing utils/claims.py or recording a run)."""
+    changing utils/course/claims.py or recording a run)."""
     page = (REPO / "results" / "RESULTS.md").read_text().splitlines()
     ledgers, _ = scan_results([REPO / "results"])
     for row in claims.claims_table(ledgers)[2:]:

@@ -48,7 +48,7 @@ def test_no_index_less_cuda_device():
     """torch.device("cuda") has no index, and CUDA APIs such as
     get_per_process_memory_fraction refuse it: use utils.pick_device() (cuda:<current>)."""
     bad = [f"{where}: {line.strip()}" for where, line in _code_lines() if INDEXLESS.search(_code(line))]
-    for path in sorted((REPO / "utils").glob("*.py")):
+    for path in sorted((REPO / "utils").rglob("*.py")):
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if INDEXLESS.search(_code(line)):
                 bad.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")

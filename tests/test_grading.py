@@ -36,8 +36,8 @@ import nbformat
 import pytest
 
 from conftest import FIXTURES, REPO, course_notebooks
-from utils import grading, grading_plugin, student
-from utils.student import (BEGIN, END, HIDDEN_BEGIN, HIDDEN_END, find_exercises, release,
+from utils.course import grading, grading_plugin, student
+from utils.course.student import (BEGIN, END, HIDDEN_BEGIN, HIDDEN_END, find_exercises, release,
                            release_notebook, strip_solutions)
 
 COURSE = FIXTURES / "grading" / "course"

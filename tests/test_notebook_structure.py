@@ -9,7 +9,7 @@ import papermill
 import pytest
 
 from conftest import REPO, course_notebooks
-from utils.student import strip_solutions
+from utils.course.student import strip_solutions
 
 NOTEBOOKS = course_notebooks()
 IDS = [str(p.relative_to(REPO)) for p in NOTEBOOKS]

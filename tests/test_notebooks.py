@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from conftest import REPO, course_notebooks
-from utils.runner import run_notebooks
+from utils.course.runner import run_notebooks
 
 NOTEBOOKS = course_notebooks()
 IDS = [str(p.relative_to(REPO)) for p in NOTEBOOKS]

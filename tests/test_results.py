@@ -7,7 +7,7 @@ import json
 import pytest
 
 from conftest import REPO
-from utils.report import parse_train_log, scan_results
+from utils.course.report import parse_train_log, scan_results
 
 RESULTS = REPO / "results"
 H100 = RESULTS / "2026-11-26-h100"

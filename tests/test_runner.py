@@ -17,7 +17,7 @@ import nbformat
 import nbclient.client
 import pytest
 
-from utils.runner import DEFAULT_CELL_TIMEOUT_S, run_notebooks
+from utils.course.runner import DEFAULT_CELL_TIMEOUT_S, run_notebooks
 
 pytestmark = pytest.mark.notebook
 

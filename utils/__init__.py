@@ -57,8 +57,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 #: Submodules a notebook or script reads as a whole (``utils.ladder.run_ladder``).
 _SUBMODULES = frozenset({
-    "amp", "attention", "checkpoint", "claims", "cli", "collectives", "compiletools", "data",
-    "distributed", "env", "flops", "kernels", "ladder", "ledger", "losses", "memory",
+    "amp", "attention", "checkpoint", "cli", "collectives", "compiletools", "data",
+    "course", "distributed", "env", "flops", "kernels", "ladder", "ledger", "losses", "memory",
     "memtools", "models", "plots", "precision", "profiling", "sizes", "timing", "training",
     "widgets",
 })

@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .runner import DEFAULT_CELL_TIMEOUT_S
+from .course.runner import DEFAULT_CELL_TIMEOUT_S
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
@@ -25,7 +25,7 @@ def _cmd_env(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .runner import default_out_dir, run_notebooks
+    from .course.runner import default_out_dir, run_notebooks
 
     smoke = True if args.smoke else (False if args.full else None)
     out = Path(args.out) if args.out else default_out_dir()
@@ -44,7 +44,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from .report import write_report
+    from .course.report import write_report
 
     path = write_report(args.paths, out=args.out, plots=not args.no_plots, figures=args.figures)
     print(path.read_text(encoding="utf-8"))
@@ -53,7 +53,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_release(args: argparse.Namespace) -> int:
-    from .student import release
+    from .course.student import release
 
     written = release(args.paths, args.out, course_root=args.course)
     for p in written:
@@ -63,7 +63,7 @@ def _cmd_release(args: argparse.Namespace) -> int:
 
 
 def _cmd_grade(args: argparse.Namespace) -> int:
-    from .grading import grade
+    from .course.grading import grade
 
     out = Path(args.out)
     grades = grade(args.paths, out, course_root=args.course, timeout_s=args.timeout,
@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder holding the instructor modules (default: this repository)")
     p.set_defaults(func=_cmd_release)
 
-    from .grading import DEFAULT_CELL_TIMEOUT_S as GRADE_CELL_S, DEFAULT_NOTEBOOK_TIMEOUT_S
+    from .course.grading import DEFAULT_CELL_TIMEOUT_S as GRADE_CELL_S, DEFAULT_NOTEBOOK_TIMEOUT_S
 
     p = sub.add_parser("grade", help="grade submissions per exercise with nbval (runs students' code!)")
     p.add_argument("paths", nargs="+", metavar="SUBMISSION",

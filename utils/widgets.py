@@ -5,7 +5,7 @@ an ``Output`` widget. A headless runner that imitates that widget's front end
 (nbclient, under papermill and ``jupyter nbconvert --execute``) writes back to
 the kernel while it waits for the cell's reply, and that can hide the reply
 from it: the cell then waits for its timeout, or forever without one
-(jupyter/nbclient#312; ``utils.runner`` explains the mechanism). The course's
+(jupyter/nbclient#312; ``utils.course.runner`` explains the mechanism). The course's
 explorers use no ``Output`` widget: the report is text in an ``HTML`` widget,
 replaced when a control moves, so nothing is captured and no runner has
 anything to imitate.

@@ -15,13 +15,13 @@ writes a stable id into the metadata of each exercise and check cell::
 
 and into the notebook's metadata the instructor notebook it came from
 (``{"course": {"notebook": "00-foundations/01_measuring_performance.ipynb", ...}}``).
-:mod:`utils.grading` matches a submission to its instructor notebook, and its
+:mod:`utils.course.grading` matches a submission to its instructor notebook, and its
 exercise cells to the instructor's, with these ids. An id comes from the
 exercise's number (``# Exercise 2`` -> ``exercise-2``), so it survives edits to
 the solution, the prose and the cells around it; renumbering the exercises
 during a term breaks the match of submissions released before.
 
-Hidden checks are for the grader: :mod:`utils.grading` builds the notebook it
+Hidden checks are for the grader: :mod:`utils.course.grading` builds the notebook it
 runs from the instructor's, so they are back in place when a submission is
 graded, and reports a failed one without its source.
 
@@ -223,7 +223,7 @@ def notebook_name(path: str | os.PathLike, course_root: str | os.PathLike | None
 
     Outside the course root: relative to the repository, else ``folder/file``.
     """
-    from .ledger import REPO_ROOT
+    from ..ledger import REPO_ROOT
 
     p = Path(path)
     for root in ([Path(course_root)] if course_root is not None else []) + [REPO_ROOT]:
@@ -323,7 +323,7 @@ def release(paths: Sequence[str | os.PathLike] | None, out_dir: str | os.PathLik
         FileNotFoundError: a path does not exist, or nothing to release.
         ValueError: a path is not a notebook, or has unbalanced solution markers.
     """
-    from .ledger import REPO_ROOT
+    from ..ledger import REPO_ROOT
 
     root = Path(course_root) if course_root is not None else REPO_ROOT
     out = Path(out_dir)

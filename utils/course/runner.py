@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from .ledger import REPO_ROOT, RESULTS_ENV_VAR, SHARED_ENV_VAR, SMOKE_ENV_VAR
+from ..ledger import REPO_ROOT, RESULTS_ENV_VAR, SHARED_ENV_VAR, SMOKE_ENV_VAR
 
 __all__ = [
     "DEFAULT_CELL_TIMEOUT_S",

@@ -7,7 +7,7 @@ submitted notebook it
    notebook's metadata, else the course notebook with the same file name;
 2. **builds the graded copy from the instructor notebook**, putting in only
    the student's *exercise cells* (matched by the ids ``release`` wrote into
-   their metadata, see :mod:`utils.student`); check cells, setup and
+   their metadata, see :mod:`utils.course.student`); check cells, setup and
    everything else come from the instructor's copy, so a student who edits,
    deletes or disables a check gains nothing;
 3. **executes it with nbval in lax mode** (``pytest --nbval-lax``, the tool the
@@ -18,7 +18,7 @@ submitted notebook it
    cell both ran without an error.
 
 Hidden checks (``### BEGIN HIDDEN TESTS`` ... ``### END HIDDEN TESTS`` in a check
-cell) are not in the student version (:mod:`utils.student`) but are in the
+cell) are not in the student version (:mod:`utils.course.student`) but are in the
 instructor's check cell the grader runs. A failed one is reported as "a hidden
 check failed", with its assertion message only where the instructor wrote one
 (the plugin records the line of the cell each exception was raised from), and
@@ -39,7 +39,7 @@ helper files (scripts, helper modules) and the *student* version of every
 course notebook, and nothing else: its working folder, ``utils.__file__``,
 ``sys.path`` (``PYTHONPATH`` is the scratch folder) and its environment lead
 to no solution. The per-cell results come back through a small pytest plugin
-(:mod:`utils.grading_plugin`) whose records are signed with a key the kernel
+(:mod:`utils.course.grading_plugin`) whose records are signed with a key the kernel
 never sees, so code in the kernel cannot forge them. None of this is a
 sandbox: the kernel runs with the grader's rights, and code that opens the
 instructor's files by their absolute path, or subverts the interpreter the
@@ -458,8 +458,9 @@ def _build_template(course: _Course, into: Path) -> Path:
     from . import grading_plugin
 
     root = into / "course"
-    utils_src = Path(__file__).resolve().parent
-    shutil.copytree(utils_src, root / "utils", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    utils_src = Path(__file__).resolve().parent.parent
+    shutil.copytree(utils_src, root / "utils",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "course"))  # not the grader
     shutil.copyfile(Path(grading_plugin.__file__), root / f"{PLUGIN_MODULE}.py")
     modules = {p.parent for p in course.notebooks.values()}
     for module in sorted(modules):
@@ -1173,7 +1174,7 @@ def grade(
             memory limit.
         FileNotFoundError: a submission path that does not exist, or no course notebooks.
     """
-    from .ledger import REPO_ROOT
+    from ..ledger import REPO_ROOT
 
     for what, value in (("timeout", timeout_s), ("notebook timeout", notebook_timeout_s)):
         if not value > 0:

@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from .ledger import Ledger
+from ..ledger import Ledger
 
 __all__ = ["SOURCE", "Evidence", "Test", "Claim", "CLAIMS", "Finding", "find_evidence",
            "claim_verdict", "claims_table", "claims_section", "ledgers_for_claims"]
@@ -422,5 +422,5 @@ def claims_section(ledgers: Sequence[Ledger],
             "value is in or above the quoted range), *holds only for* some measurements, or "
             "*does not hold*. `01-torch-compile/compile_benchmark.py` and "
             "`02-mixed-precision/amp_training.py` measure most of them in one command; the "
-            "registry is `utils/claims.py`.", "",
+            "registry is `utils/course/claims.py`.", "",
             *claims_table(ledgers, version_note=version_note), ""]

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .claims import claims_section
-from .ledger import MET, NOT_APPLICABLE, NOT_MET, Ledger, Record
+from ..ledger import MET, NOT_APPLICABLE, NOT_MET, Ledger, Record
 
 __all__ = ["load_ledgers", "scan_results", "markdown_report", "write_report", "parse_train_log",
            "PROVENANCE_FILE"]
@@ -238,7 +238,7 @@ def _version_note(led: Ledger) -> str:
     ``changed since`` when it changed, ``""`` when git cannot tell."""
     import subprocess
 
-    from .ledger import REPO_ROOT
+    from ..ledger import REPO_ROOT
 
     commit = (led.commit or "").replace("+dirty", "")
     if not commit:
@@ -340,7 +340,7 @@ def write_report(paths: Sequence[str | os.PathLike], out: str | os.PathLike | No
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        from .plots import speedup_bars
+        from ..plots import speedup_bars
 
         images = []
         for led in ledgers:
