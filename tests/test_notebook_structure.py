@@ -116,20 +116,6 @@ def test_correctness_is_checked_before_timing(nb_path):
 
 # ----------------------------------------------------------------------------- the size table
 
-#: Notebooks whose sizes are still written by hand, not yet read from one size table
-#: (issue 26). The list only shrinks: a notebook on it that has a table fails the test below.
-NOT_YET_TABLED = {
-    "04-memory-efficiency/01_anatomy_of_training_memory",
-    "04-memory-efficiency/02_activation_checkpointing",
-    "04-memory-efficiency/03_offloading_and_compression",
-    "04-memory-efficiency/04_batch_size_and_habits",
-    "04-memory-efficiency/05_checkpoints_and_loading",
-    "05-distributed/01_ddp",
-    "05-distributed/02_fsdp2_and_zero",
-    "05-distributed/03_tensor_parallel",
-    "05-distributed/04_distributed_checkpoints",
-    "05-distributed/05_scaling_out",
-}
 #: Global switches: they sit in a cell of their own, not in the size table's cell.
 SWITCHES = re.compile(r"set_float32_matmul_precision|allow_tf32\s*=|utils\.set_tf32\(|"
                       r"set_num_threads\(|cudnn\.benchmark\s*=")
@@ -201,8 +187,5 @@ def test_sizes_come_from_one_size_table(nb_path):
     params = [i for i in _code(nb) if "parameters" in nb.cells[i].metadata.get("tags", [])][0]
     sizes = nb.cells[[i for i in _code(nb) if i > params][0]].source
     problems = check_size_table(sizes)
-    if name in NOT_YET_TABLED:
-        assert problems, f"{name} has its size table now: take it off NOT_YET_TABLED"
-        pytest.skip("sizes still written by hand (issue 26)")
     assert not problems, f"{name}: " + "; ".join(problems)
     assert "ledger=ledger" in sizes, "the table's tier goes into the ledger (ledger=ledger)"
