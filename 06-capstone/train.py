@@ -7,7 +7,10 @@ default it runs the top rung of the ladder that runs on this machine (with CUDA
 graphs on a GPU, without them on a CPU); --rung picks another rung by its short
 name, --rung best the rung the notebook measured fastest on this machine (read from
 its results file), and the ladder's own flags (--amp, --compile, ...) override
-single settings.
+single settings. Beyond the ladder, --loss chunked computes the head and the loss a chunk
+of tokens at a time (module 04's utils.chunked_linear_cross_entropy), --fp8 runs the
+transformer blocks' linear layers in FP8 (torchao's float8 training; CUDA sm89+), and
+--compile max-autotune-gemm autotunes the matmuls (max-autotune, bounded to them).
 
 It prints the loss, tokens/s and MFU as it goes (a progress bar, plus a line every
 --log-every steps), against a matmul ceiling it measures on this machine at start,
@@ -19,7 +22,10 @@ Examples:
     python 06-capstone/train.py --preset tiny --steps 50 --out /tmp/gpt.pt
     python 06-capstone/train.py --rung sdpa --steps 100                # an earlier rung
     python 06-capstone/train.py --rung best --steps 2000               # the notebook's fastest
-    python 06-capstone/train.py --benchmark --steps 30                 # one table: fp32, top, GPT-2 vocab
+    python 06-capstone/train.py --loss chunked --data random           # GPT-2's vocabulary, chunked loss
+    python 06-capstone/train.py --fp8 --steps 100                      # FP8 linears (H100, L4, ...)
+    python 06-capstone/train.py --compile max-autotune-gemm --steps 60 # autotuned matmuls
+    python 06-capstone/train.py --benchmark                            # one table, the runs below
     torchrun --standalone --nproc-per-node=8 06-capstone/train.py      # DDP, one process per GPU
 
 Under torchrun each process trains a DistributedDataParallel replica on its slice of
@@ -35,12 +41,16 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import gc
 import json
 import math
 import os
+import re
 import sys
 import time
+import traceback
 from pathlib import Path
+from typing import Any, Mapping
 
 import torch
 
@@ -48,6 +58,7 @@ import utils
 import utils.distributed as ud
 from utils import ladder
 from utils.checkpoint import atomic_save
+from utils.compiletools import KERNEL_CATEGORIES, StepProfile, classify_kernel, profile_step
 
 import corpus  # corpus.py sits next to this script, and Python puts that folder on sys.path
 
@@ -89,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the notebook's results file, for --rung best (default: "
                         "06-capstone__01_speedup_ladder.json in the course's results folder)")
     p.add_argument("--steps", type=int, default=None,
-                   help="optimizer steps (default: 200; with --benchmark, 15 for fp32 eager and "
-                        "60 for the others)")
+                   help="optimizer steps (default: 200; with --benchmark, 15 for fp32 eager, 40 for "
+                        "the larger batch and 60 for the others)")
     p.add_argument("--batch-size", type=int, default=None,
                    help="sequences per optimizer step, over all processes (default: preset)")
     p.add_argument("--n-layer", type=int, default=None, help="layers (default: preset)")
@@ -129,10 +140,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --data random: the vocabulary (default: GPT-2's 50257; padded "
                         "rows are never counted as model FLOPs)")
     p.add_argument("--benchmark", action="store_true",
-                   help="measure, briefly and one after the other, fp32 eager, the top rung, the "
-                        "top rung at GPT-2's vocabulary (random tokens) and print one table: "
-                        "tokens/s, MFU against the measured ceiling and the datasheet peak, the "
-                        "FLOP convention; no checkpoint")
+                   help="measure, briefly and one after the other: " + _benchmark_list() + "; "
+                        "print one table (tokens/s, the gain over the run each one changes, "
+                        "model TFLOP/s, MFU against the measured ceiling and the datasheet peak, "
+                        "the FLOP convention), then the best run's time by kernel kind (CUDA "
+                        "only); no checkpoint. A run that cannot run here (FP8 without CUDA "
+                        "sm89+ or torchao) says why in its row; an optional run that would end "
+                        "past --budget-s is left out, saying so. max-autotune is not among the "
+                        "runs: its autotuning is expected to take minutes on a GPU, too much for "
+                        "the budget; run it apart (--compile max-autotune-gemm, its first step "
+                        "is what it cost)")
+    p.add_argument("--budget-s", type=float, default=250,
+                   help="--benchmark: leave out an optional run (after the first two) whose "
+                        "estimated time, from the top rung's, would end it past this many "
+                        "seconds from the start (default: 250, for a 300 s limit with the "
+                        "imports and the table)")
+    p.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                   help="after training, profile N more steps and print the step's time by "
+                        "kernel kind (matmul, attention, optimizer, copy, other, idle) against "
+                        "the FLOP bound at the measured ceiling; CUDA only (default: 0, none; "
+                        f"--benchmark profiles {BENCHMARK_PROFILE_STEPS} steps of every compiled "
+                        "run)")
     p.add_argument("--results", default=None, metavar="PATH",
                    help="where to write this run's figures as a ledger (JSON, what "
                         "`python -m utils report` reads; default: 06-capstone__train.json in "
@@ -220,6 +248,8 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, world: in
             parser.error(f"--{key.replace('_', '-')} must be a positive integer, got {value!r}")
     if args.warmup_steps < 0:
         parser.error(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    if args.profile_steps < 0:
+        parser.error(f"--profile-steps must be >= 0, got {args.profile_steps}")
     if sizes["n_embd"] % sizes["n_head"]:
         parser.error(f"--n-embd ({sizes['n_embd']}) must be divisible by --n-head "
                      f"({sizes['n_head']})")
@@ -246,6 +276,10 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, world: in
                      "run is on the CPU: use --compile default (or pick an earlier --rung)")
     if cfg.amp == "bf16" and not bf16_ok:
         parser.error("--amp bf16: this GPU has no native bfloat16 (it needs sm80+); use --amp fp16")
+    if cfg.fp8:
+        reason = ladder.fp8_unavailable_reason(device_type)
+        if reason:
+            parser.error(f"--fp8: {reason}")
     per_rank, rest = divmod(sizes["batch_size"], world)
     if rest or per_rank % cfg.accum_steps:
         parser.error(f"--batch-size {sizes['batch_size']} must split into {world} process(es) x "
@@ -306,8 +340,15 @@ def _train(args, sizes, cfg, rung_name, preset, rank, world, device, notes=()) -
     flops = ladder.count_step_flops(model_fn(ladder.TrainConfig()), x0, y0, vocab)
     kind = cfg.ceiling_kind
     # the notebook's ceiling routine, with the notebook's settings: quick for the tiny preset
-    # (as at smoke size), the default sizes for the GPU-sized model
-    ceiling = ladder.measure_ceilings_tflops([kind], device, quick=preset == "tiny")[kind]
+    # (as at smoke size), the default sizes for the GPU-sized model; measured once per kind in
+    # a --benchmark (its runs share the cache)
+    cache = getattr(args, "ceiling_cache", None)
+    if cache is not None and kind in cache:
+        ceiling = cache[kind]
+    else:
+        ceiling = ladder.measure_ceilings_tflops([kind], device, quick=preset == "tiny")[kind]
+        if cache is not None:
+            cache[kind] = ceiling
     say(f"device {device} x {world} process(es), torch {torch.__version__}; preset {preset}: "
         f"{gpt_cfg.n_layer} layers, width {gpt_cfg.n_embd}, {gpt_cfg.n_head} heads, "
         f"context {gpt_cfg.block_size}")
@@ -338,6 +379,11 @@ def _train(args, sizes, cfg, rung_name, preset, rank, world, device, notes=()) -
         trainer = ladder.Trainer(model_fn(cfg).to(device), cfg, device=device, num_classes=vocab,
                                  lr=args.lr, weight_decay=args.weight_decay,
                                  warmup_steps=args.warmup_steps, wrap=wrap)
+        if cfg.fp8:
+            n_linear = sum(isinstance(m, torch.nn.Linear) for m in trainer.model.modules())
+            say(f"FP8: {len(trainer.fp8_layers)} of {n_linear} linear layers converted "
+                "(torchao float8 training, tensorwise scaling; the head stays in "
+                f"{cfg.amp or 'fp32'}): {_name_span(trainer.fp8_layers)}")
         tokens_per_step = sizes["batch_size"] * seq  # all processes together
         bar = tqdm(total=args.steps, desc="train", unit="step",
                    disable=not main or args.no_progress)
@@ -383,13 +429,26 @@ def _train(args, sizes, cfg, rung_name, preset, rank, world, device, notes=()) -
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{speed:,.0f}", mfu=f"{mfu:.1%}")
             bar.update()
         bar.close()
+        profile = None
+        if args.profile_steps and device.type != "cuda":
+            say(f"--profile-steps: the time by kernel kind is measured on CUDA only; skipped on "
+                f"{device.type}")
+        elif args.profile_steps:
+            try:
+                profile = profile_step(trainer.step, *batch(args.steps - 1),
+                                       steps=args.profile_steps, warmup=0, label=rung_name,
+                                       device=device)
+            except Exception as exc:  # a profiler fault must not lose the run's figures
+                say(f"--profile-steps: the profiler failed ({type(exc).__name__}: {exc})")
     what = "compilation and warm-up" if cfg.compile else "warm-up"
     say(f"first step ({what}): {first_s:.1f} s, not in the rates above")
     result = {"final_loss": loss, "tokens_per_s": speeds[-1] if speeds else math.nan,
               "mfu": mfu, "steps": args.steps, "world_size": world,
               "wall_s": time.perf_counter() - t_start, "rung": rung_name, "vocab_size": vocab,
               "padded_vocab": padded_vocab, "first_step_s": first_s, "ceiling_kind": kind,
-              "ceiling_tflops": ceiling, "flops_per_step": flops}
+              "ceiling_tflops": ceiling, "flops_per_step": flops,
+              "batch_size": sizes["batch_size"], "settings": cfg.describe(),
+              "fp8_layers": len(trainer.fp8_layers)}
     if rank == 0 and (args.out or "").lower() != "none":
         state = trainer.state_dict()
         words = list(data.tokenizer.words) if args.data == "corpus" else None
@@ -406,6 +465,11 @@ def _train(args, sizes, cfg, rung_name, preset, rank, world, device, notes=()) -
         report = utils.mfu_report(flops, step_s, ceiling, kind, device)
         say(f"MFU per process, last window: {report}")
         result["report"] = report
+    if profile is not None:
+        result["profile"] = profile
+        if not getattr(args, "quiet_profile", False):
+            for line in kernel_breakdown(profile, flops, ceiling, kind):
+                say(line)
     if main and (args.results or "").lower() != "none":
         path = write_ledger(args, result, report, first_s=first_s, flops=flops, ceiling=ceiling,
                             kind=kind, rung_name=rung_name, cfg=cfg, preset=preset, vocab=vocab,
@@ -449,61 +513,254 @@ def write_ledger(args, result, report, *, first_s, flops, ceiling, kind, rung_na
     return ledger.save(path)
 
 
-#: The runs of --benchmark: (label, flags over the command line's). MFU's FLOPs are counted
-#: with the fp32 baseline model (hand-written attention, unpadded vocabulary): 6N for the
-#: parameters' matmuls plus the full T x T attention matmuls, the nanoGPT convention.
+@dataclasses.dataclass(frozen=True)
+class BenchmarkRun:
+    """One run of ``--benchmark``.
+
+    Attributes:
+        label: its row in the table.
+        overrides: train.py's arguments (argparse names) for this run, over the command line's.
+        versus: the label of the run it changes one thing from: the table's gain column.
+        cost: its expected wall time in units of the top rung's (measured before it), for the
+            budget (--budget-s): more for a run that compiles more (FP8's casts) or steps
+            longer (a larger batch).
+        required: run whatever the budget.
+        batch_factor: its batch per step, as a multiple of the preset's (or --batch-size).
+    """
+
+    label: str
+    overrides: Mapping[str, Any]
+    versus: str = ""
+    cost: float = 1.0
+    required: bool = False
+    batch_factor: int = 1
+
+
+#: The runs of --benchmark, in order of importance (the budget leaves out the last first). MFU's
+#: FLOPs are counted with the fp32 baseline model (hand-written attention, unpadded vocabulary):
+#: 6N for the parameters' matmuls plus the full T x T attention matmuls, the nanoGPT convention.
 BENCHMARK_RUNS = (
-    ("fp32 eager", {"rung": "fp32", "steps": 15}),
-    ("top rung", {"rung": "top", "steps": 60}),
-    ("top rung, GPT-2 vocabulary", {"rung": "top", "data": "random", "steps": 60}),
+    BenchmarkRun("fp32 eager", {"rung": "fp32", "steps": 15}, required=True),
+    BenchmarkRun("top rung", {"rung": "top", "steps": 60}, versus="fp32 eager", required=True),
+    BenchmarkRun("top rung, GPT-2 vocabulary", {"rung": "top", "data": "random", "steps": 60}),
+    BenchmarkRun("chunked loss, GPT-2 vocabulary",
+                 {"rung": "top", "data": "random", "loss": "chunked", "steps": 60},
+                 versus="top rung, GPT-2 vocabulary"),
+    BenchmarkRun("FP8 linears", {"rung": "top", "fp8": True, "steps": 60}, versus="top rung",
+                 cost=2.0),
+    BenchmarkRun("2x batch, chunked loss, GPT-2 vocabulary",
+                 {"rung": "top", "data": "random", "loss": "chunked", "steps": 40},
+                 versus="chunked loss, GPT-2 vocabulary", cost=1.5, batch_factor=2),
 )
 #: train.py's steps when --steps is not given (--benchmark: each run's own, above).
 DEFAULT_STEPS = 200
+#: Steps --benchmark profiles after each compiled run (CUDA only), for the kernel breakdown.
+BENCHMARK_PROFILE_STEPS = 3
 BENCHMARK_CONVENTION = "6N + 12 L d T per token (parameters' matmuls and the full T x T attention)"
+
+
+def _benchmark_list() -> str:
+    return "; ".join(r.label for r in BENCHMARK_RUNS)
+
+
+def _name_span(names: list[str]) -> str:
+    """``blocks.0-11.{attn.qkv, mlp.0}`` for layer names that repeat over the blocks."""
+    found = [re.fullmatch(r"(.*?)\.(\d+)\.(.+)", n) for n in names]
+    if names and all(found) and len({m.group(1) for m in found}) == 1:
+        idx = sorted({int(m.group(2)) for m in found})
+        tails = list(dict.fromkeys(m.group(3) for m in found))
+        span = f"{idx[0]}-{idx[-1]}" if len(idx) > 1 else str(idx[0])
+        return f"{found[0].group(1)}.{span}.{{{', '.join(tails)}}}"
+    return ", ".join(names) if names else "none"
+
+
+def kernel_breakdown(profile: StepProfile, flops: float, ceiling_tflops: float,
+                     kind: str) -> list[str]:
+    """Where a profiled step's time goes, by kernel kind, against its FLOP bound.
+
+    The bound is the step's model FLOPs at the measured ceiling; the gap from it to the
+    profiled step is the matmul and attention kernels' time above the bound, the other
+    kernels' time and the time no kernel ran (kernel times are summed: kernels that overlap
+    count twice, so the parts can add to a little more than the gap).
+    """
+    wall = profile.wall_ms_per_step
+    ms = profile.kernel_ms_by_category
+    idle = max(wall - profile.busy_ms_per_step, 0.0)
+    bound = flops / (ceiling_tflops * 1e12) * 1e3
+    compute = ms.get("matmul", 0.0) + ms.get("attention", 0.0)
+    rest = sum(v for k, v in ms.items() if k not in ("matmul", "attention"))
+    lines = [f"time by kernel kind, {profile.label}: {profile.steps} profiled step(s), "
+             f"{wall:.2f} ms per step under the profiler, {profile.kernels_per_step:.0f} kernels "
+             "per step"]
+    for cat in KERNEL_CATEGORIES:
+        lines.append(f"  {cat:<10} {ms.get(cat, 0.0):9.2f} ms {ms.get(cat, 0.0) / wall:6.1%}  "
+                     f"({profile.kernels_by_category.get(cat, 0.0):.0f} kernels)")
+    lines.append(f"  {'idle':<10} {idle:9.2f} ms {idle / wall:6.1%}  (no kernel running)")
+    lines.append(f"the step's model FLOPs at the measured {kind} ceiling ({ceiling_tflops:.3g} "
+                 f"TFLOP/s) take {bound:.2f} ms; the {wall - bound:.2f} ms between that and the "
+                 "profiled step:")
+    lines.append(f"  matmul and attention kernels beyond the bound {compute - bound:9.2f} ms")
+    lines.append(f"  other kernels (elementwise, norms, loss, optimizer, copies) {rest:9.2f} ms")
+    lines.append(f"  idle (launch gaps, host work, synchronisation) {idle:9.2f} ms")
+    for name, t in profile.top_kernels[:5]:
+        lines.append(f"    top kernel {t:8.2f} ms  [{classify_kernel(name)}] {name[:90]}")
+    return lines
+
+
+def _device_type(args: argparse.Namespace) -> str:
+    if args.device in ("cpu", "cuda"):
+        return args.device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _release_compiled(device_type: str) -> None:
+    """Drop the last run's compiled code and CUDA-graph memory pools before the next run."""
+    if "torch._dynamo" in sys.modules:  # nothing compiled without it (and importing it takes s)
+        torch.compiler.reset()
+    if device_type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def _skip_reason(run: BenchmarkRun, device_type: str) -> str:
+    """Why ``run`` cannot run on this machine, or ``""``."""
+    if run.overrides.get("fp8"):
+        return ladder.fp8_unavailable_reason(device_type)
+    return ""
 
 
 def benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[dict]:
     """Run :data:`BENCHMARK_RUNS` one after the other and print one table."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         parser.error("--benchmark measures one process: run it without torchrun")
-    rows = []
-    for label, overrides in BENCHMARK_RUNS:
+    if not args.budget_s > 0:
+        parser.error(f"--budget-s must be positive, got {args.budget_s}")
+    device_type = _device_type(args)
+    preset = args.preset if args.preset != "auto" else ("gpt2" if device_type == "cuda" else "tiny")
+    base_batch = args.batch_size or PRESETS[preset]["batch_size"]
+    start = time.perf_counter()
+    unit_s = None  # the top rung's wall time: the unit of the runs' estimated costs
+    ceilings: dict[str, float] = {}
+    rows: list[dict] = []
+    for run in BENCHMARK_RUNS:
+        overrides = dict(run.overrides)
         if args.steps is not None:  # the command line's steps win over each run's own
-            overrides = {**overrides, "steps": args.steps}
+            overrides["steps"] = args.steps
+        if run.batch_factor != 1:
+            overrides["batch_size"] = base_batch * run.batch_factor
+        reason = _skip_reason(run, device_type)
+        spent = time.perf_counter() - start
+        if not reason and not run.required and unit_s is not None \
+                and spent + run.cost * unit_s > args.budget_s:
+            reason = (f"left out for time: about {run.cost * unit_s:.0f} s ({run.cost:g} x the top "
+                      f"rung's) after {spent:.0f} s would pass --budget-s {args.budget_s:g}")
+        if reason:
+            print(f"\n=== {run.label}: skipped: {reason}", flush=True)
+            rows.append({"label": run.label, "versus": run.versus, "skipped": reason})
+            continue
+        profile_steps = args.profile_steps
+        if device_type == "cuda" and run.overrides.get("rung") != "fp32":
+            profile_steps = profile_steps or BENCHMARK_PROFILE_STEPS
         run_args = argparse.Namespace(**{**vars(args), **overrides, "out": "none",
-                                         "results": "none", "benchmark": False})
-        print(f"\n=== {label} ===", flush=True)
-        rows.append({"label": label, **train(run_args, parser)})
+                                         "results": "none", "benchmark": False,
+                                         "profile_steps": profile_steps, "quiet_profile": True,
+                                         "ceiling_cache": ceilings})
+        print(f"\n=== {run.label} ===", flush=True)
+        t0 = time.perf_counter()
+        try:
+            result = train(run_args, parser)
+        except Exception as exc:
+            if run.required:
+                raise
+            traceback.print_exc()
+            reason = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            print(f"=== {run.label}: {reason}", flush=True)
+            rows.append({"label": run.label, "versus": run.versus, "skipped": reason})
+            _release_compiled(device_type)
+            continue
+        if run.label == "top rung":
+            unit_s = time.perf_counter() - t0
+        rows.append({"label": run.label, "versus": run.versus, **result})
+        _release_compiled(device_type)
+    print_benchmark_table(rows, device_type)
+    if (args.results or "").lower() != "none":
+        path = write_benchmark_ledger(args, rows)
+        print(f"figures: {path}")
+    print(f"--benchmark: {time.perf_counter() - start:.0f} s in all")
+    return rows
+
+
+def _ran(rows: list[dict]) -> dict[str, dict]:
+    return {r["label"]: r for r in rows if "skipped" not in r}
+
+
+def _gain(row: dict, ran: dict[str, dict]) -> float | None:
+    other = ran.get(row.get("versus", ""))
+    if other is None or "skipped" in row:
+        return None
+    a, b = row.get("tokens_per_s", math.nan), other.get("tokens_per_s", math.nan)
+    return a / b if math.isfinite(a) and math.isfinite(b) and b > 0 else None
+
+
+def print_benchmark_table(rows: list[dict], device_type: str) -> None:
+    """--benchmark's table, each run's settings, and the best run's time by kernel kind."""
+    ran = _ran(rows)
     width = max(len(r["label"]) for r in rows)
-    print(f"\nFLOPs: {BENCHMARK_CONVENTION}; padded vocabulary rows are not counted.")
-    print(f"{'run':<{width}} {'vocab (padded)':>15} {'tokens/s':>11} {'TFLOP/s':>8} "
-          f"{'MFU measured':>13} {'MFU datasheet':>14}  rung")
+    print(f"\nFLOPs: {BENCHMARK_CONVENTION}; padded vocabulary rows are not counted, nor what "
+          "the chunked loss computes again in backward (the head's matmul).")
+    print(f"{'run':<{width}} {'vocab (padded)':>15} {'batch':>5} {'tokens/s':>11} {'TFLOP/s':>8} "
+          f"{'MFU measured':>13} {'MFU datasheet':>14}  gain")
     for r in rows:
+        if "skipped" in r:  # a reason, or "failed: ..."
+            why = r["skipped"] if r["skipped"].startswith("failed") else f"skipped: {r['skipped']}"
+            print(f"{r['label']:<{width}} {why}")
+            continue
         rep = r.get("report")
         tf = f"{rep.achieved_tflops:8.3g}" if rep else f"{'-':>8}"
         vm = f"{rep.vs_measured:13.1%}" if rep else f"{'-':>13}"
         vd = (f"{rep.vs_datasheet:14.1%}" if rep and rep.vs_datasheet is not None
               else f"{'n/a':>14}")
+        g = _gain(r, ran)
+        gain = f"{g:.2f}x over {r['versus']}" if g is not None else "-"
         print(f"{r['label']:<{width}} {r['vocab_size']:>7} ({r['padded_vocab']:>5}) "
-              f"{r['tokens_per_s']:>11,.0f} {tf} {vm} {vd}  {r['rung']}")
+              f"{r.get('batch_size', '?'):>5} {r['tokens_per_s']:>11,.0f} {tf} {vm} {vd}  {gain}")
     print("MFU measured: of the matmul ceiling measured here in each run's arithmetic; MFU "
-          "datasheet: of the GPU's dense peak in that arithmetic (none for a CPU)")
-    if (args.results or "").lower() != "none":
-        path = write_benchmark_ledger(args, rows)
-        print(f"figures: {path}")
-    return rows
+          "datasheet: of the GPU's dense peak in that arithmetic (none for a CPU). FP8 runs: "
+          "against the bf16 ceilings (no FP8 ceiling is measured). gain: tokens/s over the run "
+          "it changes one thing from.")
+    for r in rows:
+        if "skipped" not in r:
+            print(f"  {r['label']}: {r['rung']} + flags: {r.get('settings', '')}")
+    profiled = [r for r in ran.values() if r.get("profile") is not None and r.get("report")]
+    if device_type != "cuda":
+        print("\nTime by kernel kind: skipped (profiled on CUDA only; on a CPU the kernels are "
+              "operators and the ceilings are not the GPU's)")
+    elif not profiled:
+        print("\nTime by kernel kind: no profile came back (see each run's output above)")
+    else:
+        best = max(profiled, key=lambda r: r["report"].achieved_tflops)
+        print(f"\nThe best run by model TFLOP/s, {best['label']}:")
+        for line in kernel_breakdown(best["profile"], best["flops_per_step"],
+                                     best["ceiling_tflops"], best["ceiling_kind"]):
+            print(line)
 
 
 def write_benchmark_ledger(args: argparse.Namespace, rows: list[dict]) -> Path:
     """--benchmark's figures as one ledger (``06-capstone/train_benchmark``)."""
     ledger = utils.Ledger("06-capstone/train_benchmark", smoke=args.preset == "tiny",
                           env=utils.get_env(args.device), strict=False)
-    for r in rows:
-        key = r["label"].replace(", ", "_").replace(" ", "_").replace("-", "")
+    ran = _ran(rows)
+
+    def key_of(label: str) -> str:
+        return label.replace(", ", "_").replace(" ", "_").replace("-", "")
+
+    for r in ran.values():
+        key = key_of(r["label"])
         if math.isfinite(r["tokens_per_s"]):
             ledger.record(f"tokens_per_s_{key}", r["tokens_per_s"], "tokens/s",
                           note=f"{r['rung']}, vocabulary {r['vocab_size']} (padded to "
-                               f"{r['padded_vocab']})")
+                               f"{r['padded_vocab']}), batch {r.get('batch_size', '?')}: "
+                               f"{r.get('settings', '')}")
         rep = r.get("report")
         if rep is not None:
             ledger.record(f"model_tflops_{key}", rep.achieved_tflops, "TFLOP/s",
@@ -513,9 +770,20 @@ def write_benchmark_ledger(args: argparse.Namespace, rows: list[dict]) -> Path:
             if rep.vs_datasheet is not None:
                 ledger.record(f"mfu_vs_datasheet_{key}", rep.vs_datasheet, "fraction",
                               note=f"{rep.datasheet_peak_tflops:g} TFLOP/s dense {rep.precision}")
-    base, top = rows[0]["tokens_per_s"], rows[1]["tokens_per_s"]
-    if math.isfinite(base) and math.isfinite(top) and base > 0:
-        ledger.record("speedup_top_over_fp32", top / base, "x")
+        g = _gain(r, ran)
+        if g is not None and r["label"] != "top rung":
+            ledger.record(f"gain_{key}", g, "x", note=f"tokens/s over {r['versus']}")
+        prof = r.get("profile")
+        if prof is not None:
+            for cat, ms in prof.kernel_ms_by_category.items():
+                ledger.record(f"kernel_ms_{cat}_{key}", ms, "ms",
+                              note="per step, summed kernel time under the profiler")
+            ledger.record(f"idle_ms_{key}", max(prof.wall_ms_per_step - prof.busy_ms_per_step, 0),
+                          "ms", note="per step, no kernel running, under the profiler")
+    base, top = ran.get("fp32 eager"), ran.get("top rung")
+    if base and top and math.isfinite(base["tokens_per_s"]) and \
+            math.isfinite(top["tokens_per_s"]) and base["tokens_per_s"] > 0:
+        ledger.record("speedup_top_over_fp32", top["tokens_per_s"] / base["tokens_per_s"], "x")
     path = Path(args.results) if args.results else \
         utils.results_dir() / "06-capstone__train_benchmark.json"
     return ledger.save(path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -83,8 +84,11 @@ def test_help_lists_the_ladder_flags():
     r = _train("--help", timeout=120)
     assert r.returncode == 0, r.stderr
     for flag in ("--rung", "--ledger", "--amp", "--attention", "--compile", "--fused-adamw",
-                 "--vocab-multiple", "--accum-steps", "--out", "torchrun"):
-        assert flag in r.stdout, flag
+                 "--vocab-multiple", "--accum-steps", "--out", "torchrun", "--loss", "--fp8",
+                 "--budget-s", "--profile-steps", "max-autotune-gemm", "bundle-wheels.sh torchao"):
+        assert flag in " ".join(r.stdout.split()), flag  # as one line, however argparse wraps
+    # max-autotune's cost is said, and why --benchmark leaves it out
+    assert "max-autotune is not among the runs" in " ".join(r.stdout.split())
     assert "fp32 eager" in r.stdout and "CUDA graphs" in r.stdout
     # short keys, no shell quoting needed, each listed with its rung
     assert "sdpa = SDPA;" in r.stdout and "cuda-graphs = CUDA graphs" in r.stdout
@@ -101,9 +105,12 @@ def test_help_lists_the_ladder_flags():
     (["--rung", "SDPA (flash)"], "invalid choice"),
     (["--amp", "fp64"], "invalid choice"),
     (["--device", "tpu"], "--device must be cpu or cuda"),
+    (["--loss", "fused"], "invalid choice"),
+    (["--compile", "max-autotune-gemm"], "CUDA graphs"),
+    (["--profile-steps", "-1"], "--profile-steps must be >= 0"),
 ])
 def test_bad_flags_get_a_clear_error(args, message, capsys):
-    if "reduce-overhead" in args and torch.cuda.is_available():
+    if {"reduce-overhead", "max-autotune-gemm"} & set(args) and torch.cuda.is_available():
         pytest.skip("CUDA graphs are allowed on a GPU")
     with pytest.raises(SystemExit) as exc:
         train.main(["--preset", "tiny", *args])
@@ -115,6 +122,18 @@ def test_a_bad_flag_in_a_real_process_exits_2_without_a_traceback():
     r = _train("--preset", "tiny", "--accum-steps", "0", timeout=120)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "accum_steps must be a positive int" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_fp8_on_a_cpu_exits_2_with_one_clear_line(capsys):
+    """Before any data or model is built: the usage, then one line saying why."""
+    with pytest.raises(SystemExit) as exc:
+        train.main(["--preset", "tiny", "--device", "cpu", "--fp8"])
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    errors = [ln for ln in captured.err.splitlines() if "error" in ln.lower()]
+    assert errors == ["train.py: error: --fp8: FP8 training needs a CUDA GPU of compute "
+                      "capability 8.9 or newer (Ada, Hopper or later); this run is on the CPU"]
+    assert "Traceback" not in captured.err and not captured.out
 
 
 def test_smoke_run_prints_progress_and_writes_an_atomic_checkpoint(tmp_path):
@@ -147,17 +166,19 @@ def test_smoke_run_prints_progress_and_writes_an_atomic_checkpoint(tmp_path):
     assert not state["model"]["tok_emb.weight"][cfg.vocab_size:].any()
 
 
-def test_an_earlier_rung_by_name_and_a_flag_on_top(tmp_path):
+def test_an_earlier_rung_by_name_and_flags_on_top_the_chunked_loss_among_them(tmp_path):
     out = tmp_path / "gpt.pt"
-    r = _train(*SMALL, "--rung", "sdpa", "--amp", "fp32", "--steps", "2",
+    r = _train(*SMALL, "--rung", "sdpa", "--amp", "fp32", "--loss", "chunked", "--steps", "2",
                "--log-every", "1", "--no-progress", "--out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "train:" not in r.stderr, "--no-progress: lines only"
+    assert "chunked linear + cross-entropy" in r.stdout and "--loss chunked --no-fp8" in r.stdout
     state = safe_load(out)
     assert state["rung"] == "SDPA"
     assert state["train_config"] == {"tf32": True, "amp": None, "sdpa": True, "compile": None,
                                      "fused_adamw": False, "vocab_multiple": 1,
-                                     "accum_steps": 4}
+                                     "accum_steps": 4, "loss": "chunked", "fp8": False}
+    assert torch.isfinite(torch.tensor(state["result"]["final_loss"]))
 
 
 def test_ddp_under_torchrun_with_two_gloo_processes(tmp_path):
@@ -268,31 +289,109 @@ def test_batches_on_the_device_match_the_host_batches_with_no_copy_per_step():
         dev_batches(4)
 
 
-def test_benchmark_runs_the_three_and_prints_one_table(tmp_path, monkeypatch, capsys):
-    """--benchmark's plumbing, with train() stood in for (the real runs are the smoke run's
-    code): three runs, one table with both MFUs and the convention, one ledger."""
+def _fake_train(seen, fail_on=None, profile=None):
+    """train() stood in for: a result shaped like train()'s, faster with every run."""
+    def fake(args, parser):
+        if fail_on is not None and fail_on(args):
+            raise RuntimeError("compiled kernel crashed\nsecond line")
+        seen.append(args)
+        n = len(seen)
+        report = utils.flops.MFUReport(300.0 + n, 700.0, 989.4, "bf16", "NVIDIA H100")
+        random = args.data == "random"
+        out = {"tokens_per_s": 50_000.0 * n, "rung": f"rung {n}",
+               "vocab_size": 50257 if random else 8257, "padded_vocab": 50304 if random else 8320,
+               "report": report, "batch_size": args.batch_size or 16, "settings": "s",
+               "flops_per_step": 2e12, "ceiling_tflops": 700.0, "ceiling_kind": "bf16"}
+        if profile is not None:
+            out["profile"] = profile
+        return out
+    return fake
+
+
+def test_benchmark_runs_every_run_says_why_one_is_skipped_and_prints_one_table(
+        tmp_path, monkeypatch, capsys):
+    """--benchmark's plumbing on a CPU, with train() stood in for (the real runs are the smoke
+    run's code): the runs, the FP8 row skipped with its reason, one table with both MFUs, the
+    convention and the gains, one ledger."""
     seen = []
-
-    def fake_train(args, parser):
-        seen.append((args.rung, args.data, args.out, args.results))
-        report = utils.flops.MFUReport(300.0 + len(seen), 700.0, 989.4, "bf16", "NVIDIA H100")
-        return {"tokens_per_s": 50_000.0 * len(seen), "rung": f"rung {len(seen)}",
-                "vocab_size": 50257 if args.data == "random" else 8257,
-                "padded_vocab": 50304 if args.data == "random" else 8320, "report": report}
-
-    monkeypatch.setattr(train, "train", fake_train)
-    args = train.build_parser().parse_args(["--benchmark", "--results",
+    monkeypatch.setattr(train, "train", _fake_train(seen))
+    args = train.build_parser().parse_args(["--benchmark", "--device", "cpu", "--results",
                                             str(tmp_path / "bench.json")])
     rows = train.benchmark(args, train.build_parser())
-    assert [s[:2] for s in seen] == [("fp32", "corpus"), ("top", "corpus"), ("top", "random")]
-    assert all(s[2] == "none" and s[3] == "none" for s in seen), "no checkpoint, no ledger per run"
+    assert [(s.rung, s.data, s.loss, s.fp8, s.batch_size) for s in seen] == [
+        ("fp32", "corpus", None, None, None), ("top", "corpus", None, None, None),
+        ("top", "random", None, None, None), ("top", "random", "chunked", None, None),
+        ("top", "random", "chunked", None, 32)], "the FP8 run is not run on a CPU; 2 x 16"
+    assert all(s.out == "none" and s.results == "none" for s in seen), "no checkpoint, no ledger"
+    assert all(s.ceiling_cache is seen[0].ceiling_cache for s in seen), "one ceiling per kind"
+    assert all(s.profile_steps == 0 for s in seen), "no profile on a CPU"
     out = capsys.readouterr().out
     assert "6N + 12 L d T" in out and "MFU measured" in out and "MFU datasheet" in out
     assert "50257 (50304)" in out and "150,000" in out
+    assert "FP8 linears: skipped: FP8 training needs a CUDA GPU of compute capability 8.9" in out
+    assert re.search(r"^FP8 linears +skipped: FP8 training needs a CUDA GPU", out, re.M), "its row"
+    assert "1.33x over top rung, GPT-2 vocabulary" in out  # 200,000 / 150,000 tokens/s
+    assert "1.25x over chunked loss, GPT-2 vocabulary" in out
+    assert "Time by kernel kind: skipped (profiled on CUDA only" in out
     led = utils.Ledger.load(tmp_path / "bench.json")
     assert led["speedup_top_over_fp32"] == pytest.approx(2.0)
     assert led["mfu_vs_datasheet_top_rung_GPT2_vocabulary"] == pytest.approx(303 / 989.4)
-    assert len(rows) == 3
+    assert led["gain_chunked_loss_GPT2_vocabulary"] == pytest.approx(4 / 3)
+    assert "tokens_per_s_FP8_linears" not in led.measurements
+    assert len(rows) == len(train.BENCHMARK_RUNS) == 6 and "skipped" in rows[4]
+
+
+def test_benchmark_keeps_to_its_budget_and_survives_a_failing_run(monkeypatch, capsys):
+    seen = []
+    monkeypatch.setattr(train, "train", _fake_train(seen, fail_on=lambda a: a.loss == "chunked"))
+    parser = train.build_parser()
+    rows = train.benchmark(parser.parse_args(["--benchmark", "--device", "cpu", "--results",
+                                              "none"]), parser)
+    out = capsys.readouterr().out
+    assert "chunked loss, GPT-2 vocabulary: failed: RuntimeError: compiled kernel crashed" in out
+    assert [r.get("skipped", "ran")[:6] for r in rows] == ["ran", "ran", "ran", "failed", "FP8 tr",
+                                                         "failed"]
+    seen.clear()
+    rows = train.benchmark(parser.parse_args(["--benchmark", "--device", "cpu", "--results",
+                                              "none", "--budget-s", "1e-9"]), parser)
+    assert len(seen) == 2, "the first two always run; the rest would pass the budget"
+    assert "left out for time" in rows[2]["skipped"] and "--budget-s 1e-09" in rows[2]["skipped"]
+    with pytest.raises(SystemExit):
+        train.benchmark(parser.parse_args(["--benchmark", "--budget-s", "0"]), parser)
+
+
+def test_benchmark_on_a_gpu_explains_the_best_runs_time_by_kernel_kind(monkeypatch, capsys):
+    """What a GPU run prints after the table, from a made-up profile: the parts add up to the
+    gap between the FLOP bound and the profiled step."""
+    from utils.compiletools import StepProfile
+
+    prof = StepProfile(label="CUDA graphs", unit="GPU kernels", steps=3, kernels_per_step=900,
+                       kernels_by_category={"matmul": 300, "attention": 24, "optimizer": 4,
+                                            "copy": 2, "other": 570},
+                       busy_ms_per_step=54.0,
+                       kernel_ms_by_category={"matmul": 38.0, "attention": 6.0, "optimizer": 2.0,
+                                              "copy": 0.5, "other": 7.5},
+                       wall_ms_per_step=60.0, median_gap_us=2.0,
+                       top_kernels=(("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", 9.0),))
+    lines = train.kernel_breakdown(prof, flops=28e12, ceiling_tflops=700.0, kind="bf16")
+    text = "\n".join(lines)
+    assert "take 40.00 ms" in text and "the 20.00 ms between" in text
+    assert "beyond the bound      4.00 ms" in text  # 38 + 6 - 40
+    assert "copies)     10.00 ms" in text and "synchronisation)      6.00 ms" in text  # 4+6+10=20
+    assert "[matmul] nvjet_tst" in text
+    seen = []
+    monkeypatch.setattr(train, "train", _fake_train(seen, profile=prof))
+    monkeypatch.setattr(train, "_device_type", lambda args: "cuda")
+    monkeypatch.setattr(train, "_release_compiled", lambda device_type: None)  # no GPU to free
+    monkeypatch.setattr(train.ladder, "fp8_unavailable_reason", lambda device=None: "")
+    parser = train.build_parser()
+    train.benchmark(parser.parse_args(["--benchmark", "--preset", "gpt2", "--results", "none"]),
+                    parser)
+    assert [s.profile_steps for s in seen] == [0, 3, 3, 3, 3, 3], "every compiled run, 3 steps"
+    assert [s.fp8 for s in seen][4] is True and seen[5].batch_size == 64, "2 x gpt2's 32"
+    out = capsys.readouterr().out
+    assert "The best run by model TFLOP/s, 2x batch, chunked loss, GPT-2 vocabulary:" in out
+    assert "time by kernel kind, CUDA graphs: 3 profiled step(s)" in out
 
 
 def test_random_tokens_at_gpt2_vocabulary(tmp_path):

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import utils
-from utils import memory, memtools, precision, timing
+from utils import ladder, memory, memtools, precision, timing
 
 FORMS = [None, "cuda", "cuda:0", torch.device("cuda"), torch.device("cuda", 0)]
 FORM_IDS = ["None", "str-cuda", "str-cuda:0", "device-cuda", "device-cuda-0"]
@@ -134,6 +134,7 @@ CALLS = {
     "timing.benchmark": lambda d: utils.benchmark(lambda: None, device=d, min_run_time_s=0.01,
                                                  warmup=1, warn_if_noisy=False),
     "precision.tf32_in_effect": lambda d: precision.tf32_in_effect(d),
+    "ladder.fp8_unavailable_reason": lambda d: ladder.fp8_unavailable_reason(d),
     "precision.tolerance": lambda d: precision.tolerance(torch.float32, d),
     "precision.arithmetic": lambda d: precision.arithmetic(torch.float32, d),
 }

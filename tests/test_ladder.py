@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import math
@@ -569,3 +570,179 @@ def test_weight_decay_only_on_matrices():
     assert sum(len(g["params"]) for g in trainer.optimizer.param_groups) == len(named)
     with pytest.raises(ValueError, match="weight_decay"):
         L.decay_groups(model, -1.0)
+
+
+# ----------------------------------------------------------------------------- beyond the ladder
+
+def test_loss_fp8_and_the_bounded_autotune_mode_as_settings_and_flags():
+    with pytest.raises(ValueError, match="loss"):
+        L.TrainConfig(loss="fused")
+    with pytest.raises(TypeError, match="fp8"):
+        L.TrainConfig(fp8="yes")
+    with pytest.raises(ValueError, match="169545"):  # the course's mode records CUDA graphs too
+        L.TrainConfig(compile="max-autotune-gemm", accum_steps=2)
+    assert L.TrainConfig(compile="max-autotune-gemm").uses_cuda_graphs
+    assert L.TrainConfig(amp="bf16", fp8=True).ceiling_kind == "bf16"
+    plain, extra = L.TrainConfig(), L.TrainConfig(loss="chunked", fp8=True)
+    assert "chunked linear + cross-entropy" in extra.describe() and "FP8" in extra.describe()
+    assert "chunked" not in plain.describe() and "FP8" not in plain.describe()
+    parser = argparse.ArgumentParser()
+    L.TrainConfig.add_arguments(parser)
+    cfg = L.TrainConfig(amp="bf16", compile="max-autotune-gemm", loss="chunked", fp8=True)
+    assert L.TrainConfig().with_args(parser.parse_args(cfg.to_flags())) == cfg
+    assert cfg.with_args(parser.parse_args(["--loss", "plain", "--no-fp8"])) == \
+        dataclasses.replace(cfg, loss="plain", fp8=False)
+    # torch's modes by name, the course's as options that this torch's Inductor knows
+    assert L.compile_kwargs("max-autotune") == {"mode": "max-autotune"}
+    assert L.compile_kwargs("max-autotune-gemm") == {
+        "options": {"max_autotune_gemm": True, "triton.cudagraphs": True}}
+    for mode in L.TRAIN_COMPILE_MODES:
+        torch.compile(nn.Linear(2, 2), **L.compile_kwargs(mode))  # unknown options raise here
+    with pytest.raises(ValueError, match="max-autotune-gemm"):
+        L.compile_kwargs("fastest")
+    assert "max-autotune-gemm" not in L.COMPILE_MODES, "torch.compile(mode=...) does not know it"
+
+
+def _loss_and_grads(model, loss_module, x, y):
+    model.zero_grad(set_to_none=True)
+    loss = loss_module(x, y)
+    loss.backward()
+    return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("vocab_multiple", [1, 64])
+def test_chunked_loss_equals_the_plain_loss_and_its_gradients(vocab_multiple):
+    """The chunked rung computes the same function: the loss and every gradient, fp32 and under
+    bf16 autocast, with a padded vocabulary too (the loss sees the real classes only)."""
+    fn = L.gpt_model_fn(TINY, seed=1)
+    model = fn(L.TrainConfig(sdpa=True, vocab_multiple=vocab_multiple))
+    x, y = tiny_batch(2)
+    with torch.no_grad():  # the head's input, exactly as TinyGPT's forward computes it
+        torch.testing.assert_close(model.head(L.gpt_hidden_states(model, x)), model(x),
+                                   rtol=0, atol=0)
+    for dtype in (torch.float32, torch.bfloat16):
+        amp = (torch.autocast("cpu", dtype=dtype) if dtype != torch.float32
+               else contextlib.nullcontext())
+        with amp:
+            plain = _loss_and_grads(model, L.LossModule(model, TINY.vocab_size), x, y)
+            chunked = _loss_and_grads(model, L.LossModule(model, TINY.vocab_size, loss="chunked"),
+                                      x, y)
+        for a, e in zip(chunked, plain):
+            torch.testing.assert_close(a, e, **utils.tolerance(dtype, "cpu", scale=e).kwargs())
+    if vocab_multiple > 1:  # the padded rows get no gradient, as in the plain loss
+        assert model.tok_emb.weight.grad[TINY.vocab_size:].abs().max().item() == 0.0
+    # the negative control: chunks over the padded rows put their (zero) logits in the softmax
+    uncut = L.LossModule(model, model.head.out_features, loss="chunked")(x, y)
+    if vocab_multiple > 1:
+        assert (uncut - plain[0]).item() > 0.5 * math.log(64 / TINY.vocab_size)
+    with pytest.raises(ValueError, match="TinyGPT-like"):
+        L.LossModule(nn.Linear(4, 3), loss="chunked")
+    with pytest.raises(ValueError, match="num_classes"):
+        utils.chunked_linear_cross_entropy(torch.randn(4, 16), model.head.weight,
+                                           torch.zeros(4, dtype=torch.long), chunk_tokens=2,
+                                           num_classes=model.head.out_features + 1)
+    with pytest.raises(ValueError, match="loss"):
+        L.LossModule(model, TINY.vocab_size, loss="fused")
+
+
+def test_a_chunked_step_equals_a_plain_step_and_compiles_to_one_graph():
+    """A training step with the chunked loss (two micro-batches) gives the plain step's loss and
+    gradients; the compiled chunked step is one Dynamo graph (aot_eager: Dynamo and AOTAutograd
+    trace the chunk loop and its custom backward, without generating code, which takes minutes
+    on a CPU)."""
+    fn = L.gpt_model_fn(TINY, seed=0)
+    after = {}
+    for loss in L.LOSSES:
+        cfg = L.TrainConfig(sdpa=True, accum_steps=2, loss=loss)
+        trainer = L.Trainer(fn(cfg), cfg, device="cpu", num_classes=TINY.vocab_size, lr=1e-2)
+        mean_loss = trainer.step(*tiny_batch(0))  # the gradients stay in .grad after the step
+        after[loss] = [mean_loss] + [p.grad.clone() for p in trainer.model.parameters()]
+    for a, e in zip(after["chunked"], after["plain"]):
+        torch.testing.assert_close(a, e, **utils.tolerance(torch.float32, "cpu", scale=e).kwargs())
+    # compiled (a padded vocabulary: its rows masked in the chunks): one graph, and the same loss
+    # and gradients as eager
+    model = fn(L.TrainConfig(sdpa=True, vocab_multiple=64))
+    module = L.LossModule(model, TINY.vocab_size, loss="chunked")
+    x, y = tiny_batch(1)
+    eager = _loss_and_grads(model, module, x, y)
+    torch.compiler.reset()
+    before = L._graphs_compiled()
+    compiled = _loss_and_grads(model, torch.compile(module, backend="aot_eager", dynamic=False),
+                               x, y)
+    assert L._graphs_compiled() - before == 1, "the chunk loop must not break the graph"
+    for a, e in zip(compiled, eager):
+        torch.testing.assert_close(a, e, **utils.tolerance(torch.float32, "cpu", scale=e).kwargs())
+    torch.compiler.reset()
+
+
+GPT2 = dict(block_size=1024, n_layer=12, n_head=12, n_embd=768)
+
+
+@pytest.mark.parametrize("vocab", [8257, 50304])
+def test_fp8_filter_picks_the_blocks_linears_of_gpt2_and_leaves_the_head(vocab):
+    with torch.device("meta"):  # no memory: only the modules' shapes are read
+        model = utils.TinyGPT(utils.GPTConfig(vocab_size=vocab, **GPT2))
+    names = L.fp8_linear_names(model)
+    per_block = ["attn.qkv", "attn.proj", "mlp.0", "mlp.2"]
+    assert names == [f"blocks.{i}.{n}" for i in range(12) for n in per_block]
+    keep = L.fp8_module_filter(model)
+    assert not keep(model.head, "head"), "the tied output head stays in the autocast dtype"
+    assert not keep(model.tok_emb, "tok_emb") and not keep(model.ln_f, "ln_f")
+    # a width that is not a multiple of 16 leaves every layer out (torch._scaled_mm needs it)
+    with torch.device("meta"):
+        odd = utils.TinyGPT(utils.GPTConfig(vocab_size=vocab, block_size=64, n_layer=2, n_head=5,
+                                            n_embd=200))
+    assert L.fp8_linear_names(odd) == []
+
+
+def test_fp8_filter_leaves_out_heads_by_name_and_by_a_tied_embedding():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(64, 32)
+            self.body = nn.Linear(32, 32)
+            self.odd = nn.Linear(32, 24)
+            self.lm_head = nn.Linear(32, 64, bias=False)
+            self.out = nn.Linear(32, 64, bias=False)
+            self.out.weight = self.emb.weight  # tied under a name no rule knows
+
+    assert L.fp8_linear_names(Net()) == ["body"]
+
+
+def test_fp8_is_refused_where_it_cannot_pay_with_the_reason(monkeypatch):
+    assert "8.9" in L.fp8_unavailable_reason("cpu") and "CPU" in L.fp8_unavailable_reason("cpu")
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(L, "pick_device", lambda device=None: cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert "A100-SXM4-80GB is sm80" in L.fp8_unavailable_reason("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+    def missing():
+        raise ModuleNotFoundError("No module named 'torchao'")
+
+    monkeypatch.setattr(L, "_torchao_float8", missing)
+    reason = L.fp8_unavailable_reason("cuda")
+    assert "torchao" in reason and "bundle-wheels.sh torchao" in reason and "\n" not in reason
+    monkeypatch.setattr(L, "_torchao_float8", lambda: object())
+    assert L.fp8_unavailable_reason("cuda") == ""
+
+
+def test_fp8_trainer_converts_the_filtered_layers_and_steps_on_the_cpu():
+    """torch emulates the FP8 matmuls on a CPU (slowly): enough to check the plumbing and that
+    the loss stays that of the same model (e4m3 keeps 3 mantissa bits: a few % per value)."""
+    pytest.importorskip("torchao.float8")
+    fn = L.gpt_model_fn(TINY, seed=0)
+    x, y = tiny_batch(0)
+    cfg = L.TrainConfig(amp="bf16", sdpa=True)
+    ref = L.Trainer(fn(cfg), cfg, device="cpu", num_classes=TINY.vocab_size).step(x, y)
+    f8 = L.Trainer(fn(cfg), dataclasses.replace(cfg, fp8=True), device="cpu",
+                   num_classes=TINY.vocab_size)
+    assert f8.fp8_layers == L.fp8_linear_names(fn(cfg)) and len(f8.fp8_layers) == 4
+    assert type(f8.model.blocks[0].mlp[0]).__name__ == "Float8Linear"
+    assert type(f8.model.head) is nn.Linear and f8.model.head.weight is f8.model.tok_emb.weight
+    loss = f8.step(x, y)
+    assert abs(loss.item() - ref.item()) < 0.05 * ref.item()
+    # a checkpoint of the FP8 model loads into the plain one: the same parameter names
+    plain = fn(cfg)
+    plain.load_state_dict(f8.model.state_dict())

@@ -1,7 +1,8 @@
 """The speedup ladder: one training loop, the course's techniques as composable settings.
 
 A :class:`TrainConfig` is a handful of flags (TF32, autocast, SDPA, ``torch.compile``,
-fused AdamW, a padded vocabulary, gradient accumulation). :data:`LADDER` turns them on
+fused AdamW, a padded vocabulary, gradient accumulation; beyond the ladder, the chunked
+linear + cross-entropy loss and FP8 linear layers). :data:`LADDER` turns them on
 one rung at a time, the way a practitioner speeds up a real training loop, and
 :func:`run_ladder` trains any model on any batch function once per rung: the same
 initial weights, the same batches, a loss curve over a fixed number of steps, then
@@ -49,6 +50,7 @@ from .attention import sdpa_backend_used
 from .compiletools import StepProfile, profile_step
 from .env import needs, pick_device, synchronize
 from .flops import count_flops, measure_matmul_tflops
+from .losses import chunked_linear_cross_entropy
 from .memory import format_bytes, measure_peak_memory, tensor_bytes
 from .models import CausalSelfAttention, GPTConfig, TinyGPT
 from .precision import tf32 as tf32_context
@@ -58,6 +60,10 @@ from .training import first_call_s
 __all__ = [
     "AMP_DTYPES",
     "COMPILE_MODES",
+    "TRAIN_COMPILE_MODES",
+    "compile_kwargs",
+    "LOSSES",
+    "LOSS_CHUNKS",
     "TrainConfig",
     "Rung",
     "LADDER",
@@ -68,7 +74,14 @@ __all__ = [
     "padded_size",
     "gpt_model_fn",
     "LossModule",
+    "gpt_hidden_states",
     "decay_groups",
+    "FP8_MIN_CAPABILITY",
+    "FP8_INSTALL_HINT",
+    "fp8_unavailable_reason",
+    "fp8_module_filter",
+    "fp8_linear_names",
+    "convert_to_fp8",
     "Trainer",
     "count_step_flops",
     "measure_ceilings_tflops",
@@ -90,9 +103,26 @@ __all__ = [
 ]
 
 AMP_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
-#: ``torch.compile`` modes a rung may use; the first two with CUDA graphs.
+#: ``torch.compile``'s own modes; ``reduce-overhead`` and ``max-autotune`` with CUDA graphs.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+#: Modes the course adds, as ``torch.compile`` options. ``max-autotune-gemm``: max-autotune
+#: bounded to the matmuls (Inductor's ``max_autotune_gemm``: each distinct matmul shape of the
+#: step is timed against Triton templates on its first call), without ``max-autotune``'s
+#: coordinate-descent tuning of every generated kernel, which is most of its compile time;
+#: with CUDA graphs, as ``max-autotune``.
+_COURSE_COMPILE_OPTIONS: dict[str, dict[str, Any]] = {
+    "max-autotune-gemm": {"max_autotune_gemm": True, "triton.cudagraphs": True},
+}
+#: The compile modes a :class:`TrainConfig` may use: torch's and the course's.
+TRAIN_COMPILE_MODES = COMPILE_MODES + tuple(_COURSE_COMPILE_OPTIONS)
+_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune", "max-autotune-gemm")
+#: The losses a :class:`TrainConfig` may use: ``plain`` (the head's logits, then
+#: ``F.cross_entropy``) or ``chunked`` (:func:`utils.losses.chunked_linear_cross_entropy`: the
+#: head and the loss as one function, the logits never whole).
+LOSSES = ("plain", "chunked")
+#: Chunks per micro-batch of the chunked loss, as module 04 cuts it: the logits exist an
+#: eighth at a time, and a compiled step unrolls eight chunks.
+LOSS_CHUNKS = 8
 #: pytorch/pytorch#169545: CUDA graphs (cudagraph trees) overwrite a gradient buffer that
 #: the previous micro-batch's backward left in ``.grad``, so accumulation is wrong or fails.
 _CUDA_GRAPHS_ACCUM_ISSUE = "https://github.com/pytorch/pytorch/issues/169545"
@@ -101,6 +131,20 @@ _CUDA_GRAPHS_ACCUM_ISSUE = "https://github.com/pytorch/pytorch/issues/169545"
 def _positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def compile_kwargs(mode: str) -> dict[str, Any]:
+    """The ``torch.compile`` keyword arguments for a mode of :data:`TRAIN_COMPILE_MODES`:
+    ``{"mode": mode}`` for torch's own, ``{"options": {...}}`` for the course's.
+
+    Raises:
+        ValueError: an unknown mode.
+    """
+    if mode in _COURSE_COMPILE_OPTIONS:
+        return {"options": dict(_COURSE_COMPILE_OPTIONS[mode])}
+    if mode in COMPILE_MODES:
+        return {"mode": mode}
+    raise ValueError(f"compile mode must be one of {', '.join(TRAIN_COMPILE_MODES)}, got {mode!r}")
 
 
 # ----------------------------------------------------------------------------- the settings
@@ -125,10 +169,22 @@ class TrainConfig:
             target, and the loss only sees the real classes.
         accum_steps: micro-batches per optimizer step. The batch a step sees stays the
             same; a smaller ``accum_steps`` means a larger micro-batch.
+        loss: ``"plain"`` (the head's logits, then ``F.cross_entropy``) or ``"chunked"``
+            (:func:`utils.losses.chunked_linear_cross_entropy` in :data:`LOSS_CHUNKS` chunks:
+            the same loss and gradients, the logits never whole, the head's matmul run once
+            more in backward). The chunked loss needs a TinyGPT-like model
+            (:func:`gpt_hidden_states`).
+        fp8: the linear layers :func:`fp8_module_filter` picks run their matmuls in FP8
+            (torchao's float8 training, dynamic tensorwise scaling: :func:`convert_to_fp8`),
+            applied by the :class:`Trainer` before compiling. Pays only on CUDA sm89+
+            (:func:`fp8_unavailable_reason`); elsewhere torch emulates the FP8 matmuls, slowly.
+            The rung's MFU stays against its autocast dtype's ceilings (no FP8 ceiling is
+            measured), so it can pass what that dtype's matmuls allow.
 
     Raises:
-        ValueError: an unknown ``amp`` or ``compile`` value, a count below 1, or CUDA
-            graphs combined with gradient accumulation (see :data:`_CUDA_GRAPHS_ACCUM_ISSUE`).
+        ValueError: an unknown ``amp``, ``compile`` or ``loss`` value, a count below 1, or
+            CUDA graphs combined with gradient accumulation (see
+            :data:`_CUDA_GRAPHS_ACCUM_ISSUE`).
     """
 
     tf32: bool = False
@@ -138,18 +194,23 @@ class TrainConfig:
     fused_adamw: bool = False
     vocab_multiple: int = 1
     accum_steps: int = 1
+    loss: str = "plain"
+    fp8: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("tf32", "sdpa", "fused_adamw"):
+        for name in ("tf32", "sdpa", "fused_adamw", "fp8"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"TrainConfig.{name} must be True or False, "
                                 f"got {getattr(self, name)!r}")
         if self.amp is not None and self.amp not in AMP_DTYPES:
             raise ValueError(f"TrainConfig.amp must be None (fp32), 'bf16' or 'fp16', "
                              f"got {self.amp!r}")
-        if self.compile is not None and self.compile not in COMPILE_MODES:
+        if self.compile is not None and self.compile not in TRAIN_COMPILE_MODES:
             raise ValueError(f"TrainConfig.compile must be None (eager) or one of "
-                             f"{', '.join(COMPILE_MODES)}, got {self.compile!r}")
+                             f"{', '.join(TRAIN_COMPILE_MODES)}, got {self.compile!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"TrainConfig.loss must be one of {', '.join(LOSSES)}, "
+                             f"got {self.loss!r}")
         _positive_int("TrainConfig.vocab_multiple", self.vocab_multiple)
         _positive_int("TrainConfig.accum_steps", self.accum_steps)
         if self.uses_cuda_graphs and self.accum_steps > 1:
@@ -172,7 +233,8 @@ class TrainConfig:
     @property
     def ceiling_kind(self) -> str:
         """Which matmul ceiling this configuration's matmuls run against:
-        ``"bf16"``, ``"fp16"``, ``"tf32"`` or ``"fp32"``."""
+        ``"bf16"``, ``"fp16"``, ``"tf32"`` or ``"fp32"`` (with ``fp8``, still its autocast
+        dtype's: no FP8 ceiling is measured)."""
         if self.amp:
             return self.amp
         return "tf32" if self.tf32 else "fp32"
@@ -192,6 +254,10 @@ class TrainConfig:
                  f"vocab padded to x{self.vocab_multiple}" if self.vocab_multiple > 1
                  else "vocab as is",
                  f"accum {self.accum_steps}"]
+        if self.loss != "plain":  # beyond the ladder: named only when on
+            parts.append(f"{self.loss} linear + cross-entropy")
+        if self.fp8:
+            parts.append("FP8 linears (torchao)")
         return ", ".join(parts)
 
     # -- the same settings as command-line flags (train.py) ---------------------
@@ -208,14 +274,28 @@ class TrainConfig:
                        help="autocast dtype; fp32 = no autocast; fp16 adds a GradScaler")
         g.add_argument("--attention", choices=("manual", "sdpa"), default=None,
                        help="hand-written softmax(QK^T)V, or scaled_dot_product_attention")
-        g.add_argument("--compile", choices=("none", *COMPILE_MODES), default=None,
-                       help="torch.compile mode for the model and its loss; none = eager")
+        g.add_argument("--compile", choices=("none", *TRAIN_COMPILE_MODES), default=None,
+                       help="torch.compile mode for the model and its loss; none = eager. "
+                            "max-autotune and max-autotune-no-cudagraphs time Triton "
+                            "alternatives for every matmul shape and coordinate-descent-tune "
+                            "every generated kernel on the first step (minutes of compilation "
+                            "on a GPU); max-autotune-gemm bounds that to the matmuls (with CUDA "
+                            "graphs). The first step's time, printed apart, is what it cost")
         g.add_argument("--fused-adamw", action=argparse.BooleanOptionalAction, default=None,
                        help="torch.optim.AdamW(fused=True)")
         g.add_argument("--vocab-multiple", type=int, default=None, metavar="N",
                        help="pad the vocabulary to a multiple of N (1: as is)")
         g.add_argument("--accum-steps", type=int, default=None, metavar="K",
                        help="micro-batches per optimizer step (the batch per step is fixed)")
+        g.add_argument("--loss", choices=LOSSES, default=None,
+                       help="plain: the head's logits, then cross-entropy; chunked: the head "
+                            f"and the loss as one function, 1/{LOSS_CHUNKS} of the tokens' logits "
+                            "at a time (utils.chunked_linear_cross_entropy, module 04): the same "
+                            "loss, less memory, the head's matmul once more")
+        g.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=None,
+                       help="the transformer blocks' linear layers in FP8 (torchao's float8 "
+                            "training; the head and the embedding stay as they are); needs a "
+                            "CUDA GPU of compute capability 8.9+ and torchao: " + FP8_INSTALL_HINT)
 
     def with_args(self, args: argparse.Namespace) -> "TrainConfig":
         """This config with the flags of :meth:`add_arguments` that were given applied.
@@ -238,6 +318,10 @@ class TrainConfig:
             changes["vocab_multiple"] = args.vocab_multiple
         if getattr(args, "accum_steps", None) is not None:
             changes["accum_steps"] = args.accum_steps
+        if getattr(args, "loss", None) is not None:
+            changes["loss"] = args.loss
+        if getattr(args, "fp8", None) is not None:
+            changes["fp8"] = args.fp8
         return dataclasses.replace(self, **changes)
 
     def to_flags(self) -> list[str]:
@@ -248,7 +332,9 @@ class TrainConfig:
                 "--compile", self.compile or "none",
                 ("--fused-adamw" if self.fused_adamw else "--no-fused-adamw"),
                 "--vocab-multiple", str(self.vocab_multiple),
-                "--accum-steps", str(self.accum_steps)]
+                "--accum-steps", str(self.accum_steps),
+                "--loss", self.loss,
+                ("--fp8" if self.fp8 else "--no-fp8")]
 
 
 @dataclass(frozen=True)
@@ -423,21 +509,64 @@ def gpt_model_fn(gpt_cfg: GPTConfig, seed: int = 0) -> Callable[[TrainConfig], T
     return model_fn
 
 
+_GPT_PARTS = ("tok_emb", "pos_emb", "blocks", "ln_f", "head")
+
+
+def gpt_hidden_states(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    """:class:`utils.TinyGPT`'s forward pass up to its head's input: the final layer norm's
+    output, ``(B, T, C)``. ``model.head(gpt_hidden_states(model, idx))`` is ``model(idx)``.
+
+    Raises:
+        ValueError: a model without TinyGPT's parts (``tok_emb``, ``pos_emb``, ``blocks``,
+            ``ln_f``, ``head``).
+    """
+    missing = [a for a in _GPT_PARTS if not hasattr(model, a)]
+    if missing:
+        raise ValueError(f"{type(model).__name__} is not a TinyGPT-like model: it has no "
+                         f"{', '.join(missing)}")
+    h = model.tok_emb(idx) + model.pos_emb(torch.arange(idx.size(1), device=idx.device))
+    for block in model.blocks:
+        h = block(h)
+    return model.ln_f(h)
+
+
 class LossModule(nn.Module):
     """``model`` and its mean cross-entropy in one module, so that they compile together.
 
     Logits beyond ``num_classes`` (a padded vocabulary's extra rows) are cut off before
     the loss: it is computed over the real classes only, exactly as without padding.
 
+    With ``loss="chunked"`` the head and the loss are one function,
+    :func:`utils.losses.chunked_linear_cross_entropy` with the head's first ``num_classes``
+    rows as the classes (the matmuls keep the padded head's aligned shape), in ``chunks``
+    chunks of the micro-batch's tokens: the same loss and gradients, and no tensor of all the
+    logits (the model must be TinyGPT-like: :func:`gpt_hidden_states`, and a head without
+    bias).
+
     Raises:
         ValueError: ``num_classes`` is not a positive int, or it is ``None`` for a model
             that says it is padded (a ``real_vocab_size`` attribute, set by
             :func:`gpt_model_fn`, below its head's size): pass the real size, or the
-            padded size on purpose to put every logit into the softmax.
+            padded size on purpose to put every logit into the softmax. An unknown ``loss``,
+            ``chunks`` below 1, or a chunked loss for a model that is not TinyGPT-like.
     """
 
-    def __init__(self, model: nn.Module, num_classes: int | None = None) -> None:
+    def __init__(self, model: nn.Module, num_classes: int | None = None, *,
+                 loss: str = "plain", chunks: int = LOSS_CHUNKS) -> None:
         super().__init__()
+        if loss not in LOSSES:
+            raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
+        _positive_int("chunks", chunks)
+        if loss == "chunked":
+            missing = [a for a in _GPT_PARTS if not hasattr(model, a)]
+            head = getattr(model, "head", None)
+            if missing or not isinstance(head, nn.Linear) or head.bias is not None:
+                raise ValueError(
+                    f"the chunked loss needs a TinyGPT-like model (its parts {', '.join(_GPT_PARTS)}"
+                    f" and a linear head without bias); {type(model).__name__} has "
+                    + (f"no {', '.join(missing)}" if missing else "another head"))
+        self.loss = loss
+        self.chunks = chunks
         if num_classes is not None:
             _positive_int("num_classes", num_classes)
         else:
@@ -452,6 +581,16 @@ class LossModule(nn.Module):
         self.num_classes = num_classes
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.loss == "chunked":
+            weight = self.model.head.weight
+            if self.num_classes is not None and weight.shape[0] < self.num_classes:
+                raise ValueError(f"the model's head has {weight.shape[0]} rows, fewer than "
+                                 f"num_classes={self.num_classes}")
+            n = targets.numel()
+            # the real classes only, as below; the padded rows stay in the matmuls' shape
+            return chunked_linear_cross_entropy(gpt_hidden_states(self.model, inputs), weight,
+                                                targets, chunk_tokens=-(-n // self.chunks),
+                                                num_classes=self.num_classes)
         logits = self.model(inputs)
         if self.num_classes is not None and logits.shape[-1] != self.num_classes:
             if logits.shape[-1] < self.num_classes:
@@ -476,6 +615,100 @@ def decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
+# ----------------------------------------------------------------------------- FP8
+
+#: FP8 tensor-core matmuls (``torch._scaled_mm``) need compute capability 8.9 (Ada, Hopper)
+#: or newer.
+FP8_MIN_CAPABILITY = (8, 9)
+#: How to get torchao, for error messages.
+FP8_INSTALL_HINT = ("pip install -e '.[fp8]' (torchao, pinned in constraints.txt); for a GPU "
+                    "machine without a registry, carry its wheel: "
+                    "bash ../shared/gpu/bundle-wheels.sh torchao")
+
+
+def _torchao_float8() -> Any:
+    """``torchao.float8``, imported on first use (torchao is an optional extra)."""
+    import torchao.float8
+
+    return torchao.float8
+
+
+def fp8_unavailable_reason(device: str | torch.device | None = None) -> str:
+    """Why FP8 training cannot pay on ``device`` (one line), or ``""`` where it can: a CUDA
+    GPU of compute capability :data:`FP8_MIN_CAPABILITY` or newer, with torchao importable."""
+    dev = pick_device(device)
+    if dev.type != "cuda":
+        return (f"FP8 training needs a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper "
+                f"or later); this run is on the {dev.type.upper()}")
+    cap = torch.cuda.get_device_capability(dev)
+    if cap < FP8_MIN_CAPABILITY:
+        return (f"FP8 training needs compute capability 8.9 or newer; "
+                f"{torch.cuda.get_device_name(dev)} is sm{cap[0]}{cap[1]}")
+    try:
+        _torchao_float8()
+    except Exception as exc:  # ImportError, or a torchao that does not fit this torch
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return (f"FP8 training needs torchao, which does not import here ({type(exc).__name__}: "
+                f"{first}); {FP8_INSTALL_HINT}")
+    return ""
+
+
+def _is_embedding_weight(model: nn.Module, weight: torch.Tensor) -> bool:
+    return any(isinstance(m, nn.Embedding) and m.weight is weight for m in model.modules())
+
+
+def fp8_module_filter(model: nn.Module) -> Callable[[nn.Module, str], bool]:
+    """The ``module_filter_fn`` for torchao's ``convert_to_float8_training`` on ``model``:
+    which linear layers get FP8 matmuls.
+
+    Selected: every ``nn.Linear`` whose input and output sizes are multiples of 16 (what
+    ``torch._scaled_mm`` requires; torchao's own filters check the same). Left as they are: the
+    output head (a layer named ``head``, ``lm_head`` or ``output``, or one whose weight is an
+    embedding's, as TinyGPT ties them): the logits decide the loss, FP8's rounding costs most
+    there, and the chunked loss reads the head's weight itself. Smaller layers are not left
+    out for speed: torchao's ``_auto_filter_for_recipe`` would also leave out layers too small
+    to gain (at width 768: the attention's output projection and the MLP's second layer); the
+    FP8 rung measures this filter.
+    """
+    def keep(module: nn.Module, fqn: str) -> bool:
+        if not isinstance(module, nn.Linear):
+            return False
+        if fqn.rsplit(".", 1)[-1] in ("head", "lm_head", "output"):
+            return False
+        if _is_embedding_weight(model, module.weight):
+            return False
+        return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+    return keep
+
+
+def fp8_linear_names(model: nn.Module) -> list[str]:
+    """The names of the layers :func:`fp8_module_filter` selects in ``model``, in order."""
+    keep = fp8_module_filter(model)
+    return [name for name, m in model.named_modules() if name and keep(m, name)]
+
+
+def convert_to_fp8(model: nn.Module) -> list[str]:
+    """Swap the linear layers :func:`fp8_module_filter` selects for torchao's ``Float8Linear``
+    (dynamic tensorwise scaling, torchao's default recipe), in place; the parameters stay the
+    same objects. Call it before ``torch.compile`` and before building the optimizer.
+
+    Returns:
+        The names of the converted layers.
+
+    Raises:
+        ImportError: torchao is not installed (:data:`FP8_INSTALL_HINT`).
+    """
+    try:
+        f8 = _torchao_float8()
+    except ImportError as exc:
+        raise ImportError(f"FP8 training needs torchao: {FP8_INSTALL_HINT} ({exc})") from exc
+    f8.convert_to_float8_training(model, module_filter_fn=fp8_module_filter(model))
+    return [name for name, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
+
+
+# ----------------------------------------------------------------------------- the step
+
 class Trainer:
     """A model, its AdamW and the training step a :class:`TrainConfig` describes.
 
@@ -485,6 +718,10 @@ class Trainer:
     gradient is the mean over the batch, as one large micro-batch would give), then
     steps AdamW (through the GradScaler for fp16) and the warm-up schedule. It returns
     the batch's mean loss, detached.
+
+    With ``cfg.fp8`` the model's linear layers are converted first (:func:`convert_to_fp8`;
+    ``fp8_layers`` lists them), with ``cfg.loss == "chunked"`` the loss is the chunked one
+    (:class:`LossModule`).
 
     Args:
         model: the model, already on ``device`` (its forward gives logits).
@@ -506,6 +743,7 @@ class Trainer:
     Raises:
         ValueError: CUDA graphs asked for on a device that is not CUDA, or a
             ``max_grad_norm`` that is not a positive number.
+        ImportError: ``cfg.fp8`` without torchao.
     """
 
     def __init__(self, model: nn.Module, cfg: TrainConfig, *, device: str | torch.device,
@@ -528,12 +766,14 @@ class Trainer:
         self.max_grad_norm = max_grad_norm
         self.cfg = cfg
         self.model = model
-        self.loss_module: nn.Module = LossModule(model, num_classes)
+        self.fp8_layers: list[str] = convert_to_fp8(model) if cfg.fp8 else []
+        self.loss_module: nn.Module = LossModule(model, num_classes, loss=cfg.loss)
         if wrap is not None:
             self.loss_module = wrap(self.loss_module)
         self.forward: Callable[..., torch.Tensor] = self.loss_module
         if cfg.compile:
-            self.forward = torch.compile(self.loss_module, mode=cfg.compile, dynamic=False)
+            self.forward = torch.compile(self.loss_module, dynamic=False,
+                                         **compile_kwargs(cfg.compile))
         extra = {"fused": True} if cfg.fused_adamw else {}
         self.optimizer = torch.optim.AdamW(decay_groups(model, weight_decay), lr=lr,
                                            betas=betas, **extra)

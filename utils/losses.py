@@ -44,7 +44,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     backward. ``hidden`` is ``(N, C)``, ``weight`` ``(V, C)``, ``targets`` ``(N,)``."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk, ignore_index, reduction, cdt):
+    def forward(ctx, hidden, weight, targets, chunk, ignore_index, reduction, cdt, classes):
         acc = torch.float64 if cdt == torch.float64 else torch.float32
         dev = hidden.device.type
         n = hidden.shape[0]
@@ -57,6 +57,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             for start in range(0, n, chunk):
                 sl = slice(start, start + chunk)
                 logits = torch.mm(hidden[sl].to(cdt), w.t()).to(acc)  # (chunk, V): the only one
+                if classes < logits.shape[1]:  # padded rows: out of the softmax
+                    logits[:, classes:] = float("-inf")
                 picked = logits.gather(1, safe[sl].unsqueeze(1)).squeeze(1)
                 top = logits.amax(dim=1, keepdim=True)
                 logits.sub_(top).exp_()  # in place: no second (chunk, V) tensor
@@ -66,7 +68,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 del logits
         n_valid = valid.sum().to(acc)
         ctx.save_for_backward(hidden, weight, safe, valid, lse, n_valid)
-        ctx.chunk, ctx.cdt, ctx.reduction = chunk, cdt, reduction
+        ctx.chunk, ctx.cdt, ctx.reduction, ctx.classes = chunk, cdt, reduction, classes
         return total / n_valid if reduction == "mean" else total
 
     @staticmethod
@@ -90,6 +92,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 sl = slice(start, start + chunk)
                 h = hidden[sl].to(cdt)
                 probs = torch.mm(h, w.t()).to(acc)
+                if ctx.classes < probs.shape[1]:  # padded rows: probability 0, no gradient
+                    probs[:, ctx.classes:] = float("-inf")
                 probs.sub_(lse[sl].unsqueeze(1)).exp_()  # softmax, in place
                 rows = probs.shape[0]
                 probs.scatter_add_(1, safe[sl].unsqueeze(1), minus_one.expand(rows, 1))
@@ -108,13 +112,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 del probs, dlogits
         if grad_w is not None and grad_w.dtype != weight.dtype:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
                                  targets: torch.Tensor, *, chunk_tokens: int,
-                                 ignore_index: int = -100, reduction: str = "mean"
-                                 ) -> torch.Tensor:
+                                 ignore_index: int = -100, reduction: str = "mean",
+                                 num_classes: int | None = None) -> torch.Tensor:
     """``F.cross_entropy(hidden @ weight.T, targets)`` without the whole logits tensor.
 
     The loss and its gradients (to ``hidden`` and ``weight``) are those of the plain
@@ -139,6 +143,10 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
             and are not counted in the mean (as in ``F.cross_entropy``).
         reduction: ``"mean"`` over the counted tokens (a mean over none is NaN, as in
             ``F.cross_entropy``) or ``"sum"``.
+        num_classes: the classes are the weight's first ``num_classes`` rows (default: all):
+            the logits of the rest, a vocabulary's padding rows, are left out of the softmax
+            and get no gradient, as if the weight were cut to ``weight[:num_classes]``; the
+            matmuls keep the padded, aligned shape.
 
     Returns:
         The loss, a 0-dim tensor.
@@ -147,7 +155,8 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
         TypeError: ``hidden`` or ``weight`` is not a floating-point tensor, ``targets`` not
             an integer tensor, ``chunk_tokens`` not an int.
         ValueError: shapes that do not fit together, tensors on different devices, dtypes
-            that differ outside autocast, ``chunk_tokens`` below 1, an unknown reduction.
+            that differ outside autocast, ``chunk_tokens`` below 1, an unknown reduction,
+            ``num_classes`` outside 1 .. the weight's rows.
     """
     def kind(t):
         return t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
@@ -175,7 +184,12 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
     if not (hidden.device == weight.device == targets.device):
         raise ValueError(f"hidden, weight and targets must be on one device, got {hidden.device}, "
                          f"{weight.device} and {targets.device}")
+    classes = weight.shape[0] if num_classes is None else num_classes
+    if isinstance(classes, bool) or not isinstance(classes, int) \
+            or not 1 <= classes <= weight.shape[0]:
+        raise ValueError(f"num_classes must be an int from 1 to the weight's {weight.shape[0]} "
+                         f"rows, got {num_classes!r}")
     cdt = _compute_dtype(hidden, weight)
     return _ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
                                             targets.reshape(-1), chunk_tokens, ignore_index,
-                                            reduction, cdt)
+                                            reduction, cdt, classes)
