@@ -137,6 +137,10 @@ CALLS = {
     "ladder.fp8_unavailable_reason": lambda d: ladder.fp8_unavailable_reason(d),
     "precision.tolerance": lambda d: precision.tolerance(torch.float32, d),
     "precision.arithmetic": lambda d: precision.arithmetic(torch.float32, d),
+    "precision.check_close": lambda d: precision.check_close(torch.ones(3), torch.ones(3),
+                                                             torch.float32, d),
+    "precision.worst_excess": lambda d: precision.worst_excess([torch.ones(3)], [torch.ones(3)],
+                                                               torch.float32, d),
 }
 
 
@@ -183,7 +187,7 @@ def test_find_max_batch_keeps_the_first_error(fake_cuda, monkeypatch):
 # pick_device (or hand it to a function that does) before any CUDA API sees it.
 RUN_ON_DEVICE = {
     "amp.best_of_rounds", "amp.time_breakdown", "compiletools.profile_step",
-    "data.CUDAPrefetcher", "distributed.step_times_ms", "flops.mfu_report",
+    "data.CUDAPrefetcher", "data.stack_batches", "distributed.step_times_ms", "flops.mfu_report",
     "flops.measure_matmul_tflops", "flops.measure_bandwidth_gbs", "flops.measure_ceilings",
     "kernels.count_kernels", "ladder.Trainer", "ladder.tf32_exists", "ladder.ceiling_matmul_size",
     "ladder.measure_ceilings_tflops", "ladder.run_rung", "ladder.run_ladder",

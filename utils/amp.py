@@ -45,7 +45,9 @@ __all__ = [
     "fp8_matmul_api",
     "fp8_matmul",
     "LossGap",
+    "Applicability",
     "loss_gap",
+    "amdahl_bound",
     "TimingJob",
     "best_of_rounds",
     "TimeBreakdown",
@@ -300,6 +302,53 @@ class LossGap:
             raise ValueError(f"min_share must be in (0, 1), got {min_share!r}")
         return self.ref_drop_share >= min_share
 
+    def applicability(self, min_share: float, what: str = "loss",
+                      reference: str = "fp32") -> "Applicability":
+        """Whether a check on this gap means anything: did the reference learn enough?
+
+        ``applies, reason = gap.applicability(0.1)`` gives what ``ledger.expect`` takes
+        (``applies=applies, reason=reason or "<why the claim holds>"``: ``reason`` is empty
+        where it applies); ``print(gap.applicability(0.1))`` says what was found in one line.
+
+        Args:
+            min_share: the share of its first loss the reference must have shed, in (0, 1).
+            what: what the loss is called in the sentence (``"loss"``, ``"MSE"``).
+            reference: what the reference run is called (``"fp32"``, ``"TinyGPT's fp32 run"``).
+
+        Raises:
+            ValueError: ``min_share`` not in (0, 1).
+        """
+        ok = self.reference_learned(min_share)
+        found = (f"{reference} shed {self.ref_drop_share:.1%} of its first {what} "
+                 f"(the check needs {min_share:.0%})")
+        reason = "" if ok else f"{found}: a gap as a share of that drop means nothing"
+        line = found + (": the check applies" if ok else ": too little, the check does NOT apply")
+        return Applicability(applies=ok, reason=reason, line=line)
+
+
+@dataclass(frozen=True)
+class Applicability:
+    """Whether a claim applies, and why not: unpacks as ``applies, reason``; prints as one line.
+
+    Attributes:
+        applies: the claim applies.
+        reason: why it does not (empty where it applies).
+        line: what was found, for a printout.
+    """
+
+    applies: bool
+    reason: str
+    line: str
+
+    def __iter__(self):
+        return iter((self.applies, self.reason))
+
+    def __bool__(self) -> bool:
+        return self.applies
+
+    def __str__(self) -> str:
+        return self.line
+
 
 def _final(values: Sequence[float], last: int, log: bool) -> float:
     tail = [float(v) for v in values[-last:]]
@@ -340,6 +389,20 @@ def loss_gap(losses: Sequence[float] | torch.Tensor, ref_losses: Sequence[float]
                          f"{last} {math.exp(gap.ref_final) if log else gap.ref_final:.4g}): "
                          "train longer or with a larger learning rate before comparing")
     return gap
+
+
+def amdahl_bound(share: float, speedup: float) -> float:
+    """Amdahl's law: the whole's speedup when a part taking ``share`` of the time gets
+    ``speedup`` times faster and the rest stays as it is: ``1 / ((1 - share) + share / speedup)``.
+
+    Raises:
+        ValueError: ``share`` outside [0, 1], or ``speedup`` not positive and finite.
+    """
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"share must be in [0, 1], got {share!r}")
+    if not (0.0 < speedup < math.inf):
+        raise ValueError(f"speedup must be positive and finite, got {speedup!r}")
+    return 1.0 / ((1.0 - share) + share / speedup)
 
 
 @dataclass(frozen=True)
@@ -454,6 +517,34 @@ class TimeBreakdown:
         """``category``'s fraction of the total."""
         total = self.total_ms
         return self.ms(category) / total if total > 0 else 0.0
+
+    def diff(self, other: "TimeBreakdown") -> tuple[tuple[str, float, float], ...]:
+        """``(category, ms here, ms in other)`` for every category, the largest saving
+        (``other`` faster) first and the largest addition last.
+
+        Raises:
+            TypeError: ``other`` is not a :class:`TimeBreakdown`.
+            ValueError: the two were measured with different clocks or categories.
+        """
+        if not isinstance(other, TimeBreakdown):
+            raise TypeError(f"expected a TimeBreakdown, got {type(other).__name__}")
+        if other.clock != self.clock:
+            raise ValueError(f"different clocks: {self.clock!r} against {other.clock!r}")
+        mine = [name for name, _ in self.ms_by_category]
+        if sorted(mine) != sorted(name for name, _ in other.ms_by_category):
+            raise ValueError("the two breakdowns have different categories")
+        return tuple(sorted(((c, self.ms(c), other.ms(c)) for c in mine),
+                            key=lambda row: row[2] - row[1]))
+
+    def diff_lines(self, other: "TimeBreakdown", indent: str = "   ") -> str:
+        """Two printable lines: each category's ms here -> in ``other`` (largest saving first),
+        then the largest saving and the largest addition."""
+        rows = self.diff(other)
+        (save, *_), (add, a0, a1) = rows[0], rows[-1]
+        return (f"{indent}breakdown, {self.clock}: "
+                + "; ".join(f"{c} {m0:.2f} -> {m1:.2f} ms" for c, m0, m1 in rows)
+                + f"\n{indent}the largest saving: {save}; the largest addition: {add} "
+                  f"({a1 - a0:+.2f} ms)")
 
     def __str__(self) -> str:
         rows = [f"{name:<18} {ms:>10.3f} ms  {self.share(name):>6.1%}"

@@ -24,6 +24,7 @@ __all__ = [
     "CPUHeavyImages",
     "CUDAPrefetcher",
     "worker_init",
+    "stack_batches",
 ]
 
 
@@ -254,3 +255,32 @@ class CUDAPrefetcher:
             except StopIteration:
                 nxt = None
             yield batch
+
+
+def stack_batches(dataset: Dataset, n_batches: int, batch: int,
+                  device: str | torch.device | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The first ``n_batches * batch`` items of a dataset as ``n_batches`` ``(x, y)`` batches,
+    on ``device``, each batch with its own storage.
+
+    For training runs that must see the same batches in the same order (one run per
+    precision, say): the batches are built once, before any run, so no run pays for them.
+    Each batch owns its storage (not a view of one big tensor), so a memory probe that
+    counts storages sees one batch. Targets may be ints (class labels) or tensors.
+
+    Raises:
+        ValueError: ``n_batches`` or ``batch`` not a positive int, or a dataset shorter than
+            ``n_batches * batch`` items.
+    """
+    _check_positive(n_batches=n_batches, batch=batch)
+    need = n_batches * batch
+    if len(dataset) < need:
+        raise ValueError(f"the dataset has {len(dataset)} items; {n_batches} batches of {batch} "
+                         f"need {need}")
+    dev = pick_device(device)
+    items = [dataset[i] for i in range(need)]
+    out = []
+    for b in range(n_batches):
+        xs, ys = zip(*items[b * batch:(b + 1) * batch])
+        y = torch.as_tensor(ys) if not isinstance(ys[0], torch.Tensor) else torch.stack(ys)
+        out.append((torch.stack(xs).to(dev), y.to(dev)))
+    return out

@@ -7,7 +7,8 @@ from typing import Any, Mapping, Sequence
 from .memory import format_bytes
 from .timing import SpeedupTable
 
-__all__ = ["use_style", "speedup_bars", "memory_bars", "sweep_plot", "plain_log_ticks"]
+__all__ = ["use_style", "speedup_bars", "memory_bars", "sweep_plot", "plain_log_ticks",
+           "curves_plot", "fit_slope"]
 
 _STYLE = {
     "figure.dpi": 110,
@@ -23,6 +24,7 @@ _STYLE = {
 BASELINE_COLOR = "#8c8c8c"
 CANDIDATE_COLOR = "#1f77b4"
 SLOWER_COLOR = "#d62728"
+_LINESTYLES = ("-", "--", ":", "-.")  # for lines drawn over a reference
 
 
 def use_style() -> None:
@@ -139,15 +141,33 @@ def plain_log_ticks(ax: Any) -> Any:
 
 def sweep_plot(x: Sequence[float], series: Mapping[str, Sequence[float]], xlabel: str,
                ylabel: str, title: str = "", ax: Any = None, logx: bool = False,
-               logy: bool = False) -> Any:
-    """Lines with markers for a parameter sweep: one line per series."""
+               logy: bool = False, reference: str | None = None,
+               ticks_at_x: bool = False) -> Any:
+    """Lines with markers for a parameter sweep: one line per series.
+
+    With ``reference`` (a series name), series that lie on top of each other stay visible:
+    the reference is drawn as a wide pale band without markers, the others as thin lines of
+    different styles over it (as :func:`curves_plot` draws them). With ``ticks_at_x`` the
+    x axis has one labelled tick per measured x value and no others (a log axis otherwise
+    labels powers of ten that were never measured).
+    """
     if not series:
         raise ValueError("sweep_plot needs at least one series")
+    if reference is not None and reference not in series:
+        raise ValueError(f"reference {reference!r} is not one of {list(series)}")
     ax = _axes(ax, (6.5, 4))
+    others = 0
     for name, ys in series.items():
         if len(ys) != len(x):
             raise ValueError(f"series {name!r} has {len(ys)} values for {len(x)} x values")
-        ax.plot(list(x), list(ys), marker="o", label=name)
+        if reference is None:
+            style: dict[str, Any] = {"marker": "o"}
+        elif name == reference:
+            style = {"lw": 5.0, "alpha": 0.35}
+        else:
+            style = {"lw": 1.5, "ls": _LINESTYLES[others % len(_LINESTYLES)]}
+            others += 1
+        ax.plot(list(x), list(ys), label=name, **style)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
@@ -156,6 +176,85 @@ def sweep_plot(x: Sequence[float], series: Mapping[str, Sequence[float]], xlabel
     if logy:
         ax.set_yscale("log")
     plain_log_ticks(ax)
+    if ticks_at_x:
+        from matplotlib.ticker import NullFormatter, NullLocator
+
+        ax.set_xticks(list(x), [f"{v:g}" for v in x])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.xaxis.set_minor_formatter(NullFormatter())
     if len(series) > 1:
         ax.legend()
     return ax
+
+
+
+def curves_plot(curves: Mapping[str, Sequence[float]], reference: str | None = None,
+                xlabel: str = "step", ylabel: str = "training loss", title: str = "",
+                ax: Any = None, logy: bool = False, colors: Mapping[str, str] | None = None) -> Any:
+    """Training curves (one value per step, from step 1) that may lie on top of each other.
+
+    The ``reference`` curve (fp32, say) is drawn as a wide pale band and the others as thin
+    lines of different styles over it, so a curve that follows the reference stays visible
+    instead of hiding it.
+
+    Args:
+        curves: ``{label: values}``.
+        reference: the label drawn wide and pale (``None``: none).
+        colors: optional ``{label: colour}``.
+
+    Raises:
+        ValueError: no curves, or a ``reference`` that is not one of them.
+    """
+    if not curves:
+        raise ValueError("curves_plot needs at least one curve")
+    if reference is not None and reference not in curves:
+        raise ValueError(f"reference {reference!r} is not one of {list(curves)}")
+    ax = _axes(ax, (8, 3.2))
+    others = 0
+    for label, ys in curves.items():
+        ys = [float(v) for v in ys]
+        kw: dict[str, Any] = {"label": label}
+        if colors and label in colors:
+            kw["color"] = colors[label]
+        if label == reference:
+            kw.update(lw=4.0, alpha=0.35)
+        else:
+            kw.update(lw=1.4, alpha=0.95, ls=_LINESTYLES[others % len(_LINESTYLES)])
+            others += 1
+        ax.plot(range(1, len(ys) + 1), ys, **kw)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if logy:
+        ax.set_yscale("log")
+        plain_log_ticks(ax)
+    ax.legend()
+    return ax
+
+
+def fit_slope(xs: Sequence[float], ys: Sequence[float], log: bool = False) -> float:
+    """The least-squares slope of ``ys`` against ``xs`` (through two points: the line's).
+
+    With ``log=True`` the slope on a log-log plot: how ``ys`` grows with ``xs`` as a power
+    (2 for quadratic, 1 for linear).
+
+    Raises:
+        ValueError: fewer than two points, lengths that differ, all ``xs`` equal, or a
+            non-positive value with ``log=True``.
+    """
+    import math
+
+    xs, ys = [float(v) for v in xs], [float(v) for v in ys]
+    if len(xs) != len(ys):
+        raise ValueError(f"{len(xs)} xs against {len(ys)} ys")
+    if len(xs) < 2:
+        raise ValueError("a slope needs at least two points")
+    if log:
+        if min(xs + ys) <= 0:
+            raise ValueError("log=True needs positive values")
+        xs, ys = [math.log(v) for v in xs], [math.log(v) for v in ys]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((a - mx) ** 2 for a in xs)
+    if sxx == 0:
+        raise ValueError("all xs are equal: no slope")
+    return sum((a - mx) * (b - my) for a, b in zip(xs, ys)) / sxx

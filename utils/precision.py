@@ -35,14 +35,15 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
 __all__ = ["TF32State", "tf32_state", "set_tf32", "tf32", "fp32_matmul_precision",
            "fp32_matmul_precision_state", "matmul_precision_label", "TF32_OVERRIDE_VARS",
            "tf32_overrides", "describe_tf32_overrides", "tf32_in_effect", "Tolerance",
-           "arithmetic", "tolerance", "loosest_tolerance", "UNIT_ROUNDOFF", "loss_tolerance"]
+           "arithmetic", "tolerance", "loosest_tolerance", "UNIT_ROUNDOFF", "loss_tolerance",
+           "check_close", "worst_excess"]
 
 
 def _new_api() -> bool:
@@ -481,6 +482,65 @@ def loosest_tolerance(dtype: torch.dtype = torch.float32, *,
     GPU node with TF32 on as well as on the CPU where CI runs it.
     """
     return tolerance(dtype, "cpu", tf32=True, scale=scale, factor=factor)
+
+
+def _pairs(actual: torch.Tensor | Sequence[torch.Tensor],
+           expected: torch.Tensor | Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor):
+        return [(actual, expected)]
+    if isinstance(actual, torch.Tensor) or isinstance(expected, torch.Tensor):
+        raise TypeError("give two tensors or two sequences of tensors, not one of each")
+    actual, expected = list(actual), list(expected)
+    if len(actual) != len(expected):
+        raise ValueError(f"{len(actual)} tensors against {len(expected)} expected")
+    if not actual:
+        raise ValueError("nothing to compare")
+    return list(zip(actual, expected))
+
+
+def check_close(actual: torch.Tensor | Sequence[torch.Tensor],
+                expected: torch.Tensor | Sequence[torch.Tensor],
+                dtype: torch.dtype = torch.float32, device: str | torch.device | None = None, *,
+                factor: float = 1.0, op: str = "matmul") -> float:
+    """``torch.testing.assert_close`` of each tensor against its expected one, with the
+    tolerance of :func:`tolerance` for ``dtype`` on ``device``, scaled to *that* expected
+    tensor (``scale=expected``). Returns the worst element's error in units of its
+    tolerance (below 1, or it raised).
+
+    A shortcut for ``assert_close(a, e, **utils.tolerance(dtype, device, scale=e).kwargs())``
+    over a list of tensors (the gradients of a model, say).
+
+    Raises:
+        AssertionError: a tensor is not within its tolerance (torch's message).
+        ValueError, TypeError: the two sides do not pair up.
+    """
+    worst = 0.0
+    for a, e in _pairs(actual, expected):
+        tol = tolerance(dtype, device, scale=e, factor=factor, op=op)
+        torch.testing.assert_close(a, e, **tol.kwargs())
+        worst = max(worst, tol.excess(a, e))
+    return worst
+
+
+def worst_excess(actual: torch.Tensor | Sequence[torch.Tensor],
+                 expected: torch.Tensor | Sequence[torch.Tensor],
+                 dtype: torch.dtype = torch.float32, device: str | torch.device | None = None, *,
+                 factor: float = 1.0, loosest: bool = False, op: str = "matmul") -> float:
+    """The worst element's error over all the tensors, in units of the tolerance for ``dtype``
+    (each scaled to its expected tensor, as :func:`check_close` does). Below 1 passes.
+
+    With ``loosest=True`` the tolerance is :func:`loosest_tolerance` (TF32's for fp32): a
+    negative control must reach 10 or more on it, so that it is caught on any device.
+
+    Raises:
+        ValueError, TypeError: the two sides do not pair up.
+    """
+    worst = 0.0
+    for a, e in _pairs(actual, expected):
+        tol = (loosest_tolerance(dtype, scale=e, factor=factor) if loosest
+               else tolerance(dtype, device, scale=e, factor=factor, op=op))
+        worst = max(worst, tol.excess(a, e))
+    return worst
 
 
 #: Relative tolerance for a mean loss (a scalar over thousands of tokens) computed twice from

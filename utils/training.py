@@ -8,9 +8,10 @@ what the notebook changes, never in how the loss or the optimizer is called.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from contextlib import nullcontext
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -19,7 +20,8 @@ import torch.nn.functional as F
 from .env import pick_device, synchronize
 from .models import GPTConfig
 
-__all__ = ["lm_batch", "image_batch", "train_step", "first_call_s"]
+__all__ = ["lm_batch", "image_batch", "train_step", "first_call_s", "grad_snapshot",
+           "param_snapshot", "params_equal", "total_norm", "cudnn_benchmark"]
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -126,3 +128,101 @@ def first_call_s(fn: Callable[..., Any], *args: Any,
     fn(*args, **kwargs)
     synchronize(dev)
     return time.perf_counter() - start
+
+
+def _tensors(source: nn.Module | Iterable[torch.Tensor], what: str) -> list[torch.Tensor]:
+    """A module's parameters, or the tensors of an iterable, as a list."""
+    if isinstance(source, nn.Module):
+        return list(source.parameters())
+    if isinstance(source, torch.Tensor):
+        raise TypeError(f"{what}: expected a module or an iterable of tensors, got one tensor "
+                        "(wrap it in a list)")
+    items = list(source)
+    for i, t in enumerate(items):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}: item {i} is a {type(t).__name__}, not a tensor")
+    return items
+
+
+def grad_snapshot(model: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Detached copies of every parameter's ``.grad``, in ``parameters()`` order.
+
+    A copy, so the next ``backward()`` or ``zero_grad()`` leaves the snapshot alone: the
+    notebooks compare the gradients of two ways of computing one step.
+
+    Args:
+        model: a module, or an iterable of parameters.
+
+    Raises:
+        ValueError: a parameter has no gradient (``backward()`` has not reached it, or
+            ``zero_grad(set_to_none=True)`` ran since), or there are no parameters.
+    """
+    params = _tensors(model, "grad_snapshot")
+    if not params:
+        raise ValueError("grad_snapshot: no parameters")
+    missing = [i for i, p in enumerate(params) if p.grad is None]
+    if missing:
+        raise ValueError(f"grad_snapshot: parameters {missing[:5]}{'...' if len(missing) > 5 else ''}"
+                         f" of {len(params)} have no .grad: run backward() first")
+    return [p.grad.detach().clone() for p in params]
+
+
+def param_snapshot(model: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """Detached copies of every parameter, in ``parameters()`` order (to tell later whether an
+    optimizer step changed them, with :func:`params_equal`)."""
+    return [p.detach().clone() for p in _tensors(model, "param_snapshot")]
+
+
+def params_equal(a: nn.Module | Iterable[torch.Tensor],
+                 b: nn.Module | Iterable[torch.Tensor]) -> bool:
+    """Whether two modules (or lists of tensors) hold bit-identical values, tensor by tensor.
+
+    Bit-identical, not close: it answers "did this step change the weights?" (a step a
+    GradScaler skipped leaves them exactly as they were).
+
+    Raises:
+        ValueError: the two hold different numbers of tensors, or tensors of different shapes.
+    """
+    ta, tb = _tensors(a, "params_equal"), _tensors(b, "params_equal")
+    if len(ta) != len(tb):
+        raise ValueError(f"params_equal: {len(ta)} tensors against {len(tb)}")
+    for i, (x, y) in enumerate(zip(ta, tb)):
+        if x.shape != y.shape:
+            raise ValueError(f"params_equal: tensor {i} has shape {tuple(x.shape)} against "
+                             f"{tuple(y.shape)}")
+    return all(torch.equal(x.detach(), y.detach().to(x.device)) for x, y in zip(ta, tb))
+
+
+def total_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all the tensors together, as ``clip_grad_norm_`` computes it (in fp32 or
+    wider: the norm of each tensor, then the norm of those norms).
+
+    Raises:
+        ValueError: no tensors.
+    """
+    items = _tensors(tensors, "total_norm")
+    if not items:
+        raise ValueError("total_norm: no tensors")
+    norms = [torch.linalg.vector_norm(t.detach().float() if t.dtype in (torch.float16, torch.bfloat16)
+                                      else t.detach()) for t in items]
+    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+
+
+@contextlib.contextmanager
+def cudnn_benchmark(flag: bool) -> Iterator[None]:
+    """``with cudnn_benchmark(True):`` sets ``torch.backends.cudnn.benchmark``, restored after.
+
+    With it on, cuDNN times its convolution algorithms for each new input shape and keeps
+    the fastest; on a CPU the setting changes nothing.
+
+    Raises:
+        TypeError: ``flag`` is not a bool.
+    """
+    if not isinstance(flag, bool):
+        raise TypeError(f"flag must be a bool, got {type(flag).__name__}")
+    old = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = flag
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = old
