@@ -39,6 +39,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 _T0 = time.perf_counter()  # as early as possible: the import time is part of the story
 
@@ -128,6 +129,66 @@ def dir_bytes(path: Path) -> tuple[int, int]:
             except OSError:  # a lock or temp file that vanished meanwhile
                 pass
     return total, files
+
+
+def run(mode: str, cache_dir: str | Path, *extra: str, workdir: str | Path, deadline_s: int,
+        size_args: Sequence[str] = (), label: str | None = None) -> dict:
+    """Run this script in a fresh Python process and return its JSON result.
+
+    The cache folders are passed to the child explicitly, so the caller's own settings never
+    leak in, and the child imports the same ``utils`` package as the caller, whatever the
+    install. The child stops itself at ``deadline_s`` (shutting its compile workers down); a
+    subprocess timeout 30 s later is the backstop. Two fields are added to the result:
+    ``process_s`` (interpreter start to exit, as a job sees it) and ``load_before`` (the
+    1-minute load average when it started: was the machine busy?).
+
+    Args:
+        mode: ``"whole"``, ``"regional"`` or ``"eager"`` (see :func:`compile_model`).
+        cache_dir: the child's ``TORCHINDUCTOR_CACHE_DIR`` (empty for a cold compile).
+        *extra: more command-line arguments (``"--save-artifacts", path``, ...).
+        workdir: an existing folder for the result file ``result_<label>.json``.
+        deadline_s: seconds the child may take (>= 1).
+        size_args: the model's sizes as command-line arguments (``["--n-layer", "8", ...]``).
+        label: names the result file and the error messages (default: ``mode``).
+
+    Raises:
+        ValueError: an unknown mode or a deadline below 1 s.
+        RuntimeError: the child failed (its stderr is quoted) or ran past the backstop.
+    """
+    import importlib.util
+    import subprocess
+
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if isinstance(deadline_s, bool) or not isinstance(deadline_s, int) or deadline_s < 1:
+        raise ValueError(f"deadline_s must be a positive int (seconds), got {deadline_s!r}")
+    label = label or mode
+    out = Path(workdir) / f"result_{label}.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--mode", mode, "--cache-dir",
+           str(cache_dir), "--out", str(out), "--deadline-s", str(deadline_s), *size_args, *extra]
+    spec = importlib.util.find_spec("utils")
+    utils_root = str(Path(spec.origin).resolve().parent.parent) if spec and spec.origin else ""
+    pythonpath = os.pathsep.join(filter(None, [utils_root, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir),
+           "TRITON_CACHE_DIR": str(Path(cache_dir) / "triton"), "PYTHONPATH": pythonpath}
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    t0 = time.perf_counter()
+    try:
+        subprocess.run(cmd, check=True, timeout=deadline_s + 30, capture_output=True, text=True,
+                       env=env, cwd=Path(__file__).resolve().parent)
+    except subprocess.CalledProcessError as exc:
+        raise RuntimeError(f"compile probe '{label}' failed with exit code {exc.returncode}.\n"
+                           f"command: {' '.join(cmd)}\n--- its stderr (end) ---\n"
+                           f"{exc.stderr[-4000:]}") from None
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"compile probe '{label}' did not finish within {deadline_s + 30} s "
+                           f"and was killed (command: {' '.join(cmd)}). A busy machine? Raise "
+                           "the deadline, or run it by hand to see where it stalls.") from None
+    result = json.loads(out.read_text(encoding="utf-8"))
+    result["process_s"] = time.perf_counter() - t0
+    result["load_before"] = load
+    return result
 
 
 def main(argv: list[str] | None = None) -> dict:

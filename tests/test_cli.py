@@ -160,3 +160,12 @@ def test_utils_reads_its_names_when_first_used():
                         "set(utils.__all__) <= set(dir(utils)))"],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.stdout.split() == ["False", "True", "True"], r.stderr[-2000:]
+
+
+def test_every_submodule_is_an_attribute_of_utils():
+    # utils imports its names lazily: a module left out of _SUBMODULES is reachable as
+    # utils.<name> only after something else imported it, which breaks a notebook at random
+    modules = {p.stem for p in (REPO / "utils").glob("*.py")} - {"__init__", "__main__"}
+    packages = {p.parent.name for p in (REPO / "utils").glob("*/__init__.py")}
+    assert set(utils._SUBMODULES) == modules | packages
+    assert all(utils._WHERE[name] in modules for name in utils.__all__)

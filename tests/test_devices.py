@@ -192,6 +192,7 @@ RUN_ON_DEVICE = {
     "kernels.count_kernels", "ladder.Trainer", "ladder.tf32_exists", "ladder.ceiling_matmul_size",
     "ladder.measure_ceilings_tflops", "ladder.run_rung", "ladder.run_ladder",
     "memtools.record_memory", "profiling.profile_calls", "timing.cold_l2_benchmark",
+    "timing.first_call", "timing.per_call_ms", "timing.BackgroundLoad", "loaders.time_loader",
     "training.lm_batch", "training.image_batch", "training.first_call_s",
     "attention.sdpa_backend_used", "cli.native_bf16",
 }

@@ -73,5 +73,13 @@ def test_exercise_3_check_is_bounded_by_the_sizes_the_dataset_holds():
 
 
 def test_time_loader_says_how_to_size_a_short_loader():
-    src = _cell("def time_loader(")
-    assert "utils.sizes.loader_batches_needed(" in src
+    # The notebook times its loaders with utils.time_loader, with the table's min_timed ...
+    src = _cell("utils.time_loader")
+    assert "min_timed=S.min_timed" in src
+    # ... which sizes its run with utils.sizes.loader_batches_needed, and says so when a loader
+    # holds too few batches for its workers.
+    from torch.utils.data import DataLoader
+    need = utils.sizes.loader_batches_needed(2, 4)
+    short = DataLoader(list(range(need - 1)), batch_size=1, num_workers=2)
+    with pytest.raises(ValueError, match=r"utils\.sizes\.loader_batches_needed\(workers, 4\)"):
+        utils.time_loader(short, min_timed=4, device="cpu")

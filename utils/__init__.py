@@ -23,7 +23,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "env": ("EnvInfo", "Gate", "get_env", "needs", "pick_device", "print_env",
             "resolve_smoke", "synchronize"),
     "timing": ("Timing", "SpeedupTable", "NoisyMeasurementWarning", "benchmark",
-               "cold_l2_benchmark", "compare"),
+               "cold_l2_benchmark", "compare", "first_call", "torch_threads",
+               "per_call_ms", "BackgroundLoad", "MachineLoad", "machine_load"),
     "memory": ("MemoryResult", "MemoryBreakdown", "TensorMemoryTracker",
                "measure_peak_memory", "memory_breakdown", "tensor_bytes", "format_bytes"),
     "flops": ("FlopCount", "Ceilings", "RooflinePoint", "count_flops",
@@ -43,6 +44,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
             "LossGap", "Applicability", "loss_gap", "TimingJob", "best_of_rounds",
             "TimeBreakdown", "time_breakdown", "amdahl_bound"),
     "sizes": ("Sizes", "size_table", "format_table"),
+    "loaders": ("LoaderTiming", "time_loader"),
     "losses": ("chunked_linear_cross_entropy",),
     "training": ("lm_batch", "image_batch", "train_step", "first_call_s", "grad_snapshot",
                  "param_snapshot", "params_equal", "total_norm", "cudnn_benchmark"),
@@ -59,8 +61,8 @@ _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 #: Submodules a notebook or script reads as a whole (``utils.ladder.run_ladder``).
 _SUBMODULES = frozenset({
     "amp", "attention", "checkpoint", "cli", "collectives", "compiletools", "data",
-    "course", "distributed", "env", "flops", "kernels", "ladder", "ledger", "losses", "memory",
-    "memtools", "models", "plots", "precision", "profiling", "sizes", "timing", "training",
+    "course", "distributed", "env", "flops", "kernels", "ladder", "ledger", "loaders", "losses",
+    "memory", "memtools", "models", "plots", "precision", "profiling", "sizes", "timing", "training",
     "widgets",
 })
 

@@ -19,10 +19,11 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -46,6 +47,8 @@ __all__ = [
     "kernel_base_name",
     "summarize_kernels",
     "profile_step",
+    "profile_table",
+    "capture_logs",
 ]
 
 
@@ -515,3 +518,65 @@ def profile_step(fn: Callable[..., Any], *args: Any, steps: int = 3, warmup: int
     return summarize_kernels(_cpu_top_level_ops(cpu), label=name, steps=steps, wall_ms=wall_ms,
                              unit="CPU ops")
 
+
+
+def profile_table(profiles: Iterable[StepProfile], *, per: str = "step") -> str:
+    """A legend line, then one :meth:`StepProfile.row` per profile: the table to print.
+
+    Args:
+        profiles: what :func:`profile_step` returned, all with the same unit.
+        per: what one profiled call is ("step", "call"), for the legend.
+
+    Raises:
+        ValueError: no profiles, or profiles with different units (GPU kernels and CPU ops
+            do not compare).
+    """
+    items = list(profiles)
+    if not items:
+        raise ValueError("profile_table needs at least one StepProfile")
+    units = {p.unit for p in items}
+    if len(units) != 1:
+        raise ValueError(f"profiles count different things ({sorted(units)}): one table per unit")
+    launches = (" | on a GPU, the CPU's kernel-launch calls + CUDA-graph launches"
+                if items[0].launch_calls_per_step is not None else "")
+    legend = (f"per {per}: {items[0].unit} (other: how many are neither matmul nor attention, "
+              "the memory-bound kind) | share of kernel time in matmul, attention and 'other' "
+              "kernels | busy (kernel) time of the wall time under the profiler, the idle share, "
+              f"the median gap between two kernels{launches}")
+    return "\n".join([legend, *(p.row() for p in items)])
+
+
+@contextlib.contextmanager
+def capture_logs(logger: str = "torch._dynamo", level: int = logging.NOTSET
+                 ) -> Iterator[list[logging.LogRecord]]:
+    """Keep the records a logger (and its children) emits inside the block.
+
+    Yields the list the records are appended to; the handler is removed on exit, even when the
+    block raises. What a logger emits at all is still up to its own level (for the compiler's
+    logs, ``torch._logging.set_logs``); ``level`` only filters what is kept.
+
+    Args:
+        logger: the logger's name (``"torch._dynamo"`` holds Dynamo's logs, graph breaks and
+            recompiles included).
+        level: the lowest level kept (``logging.WARNING`` keeps warnings and errors).
+
+    Raises:
+        ValueError: an empty logger name or a negative level.
+    """
+    if not isinstance(logger, str) or not logger:
+        raise ValueError(f"logger must be a logger's name, got {logger!r}")
+    if not isinstance(level, int) or level < 0:
+        raise ValueError(f"level must be a logging level (an int >= 0), got {level!r}")
+    records: list[logging.LogRecord] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = _Keep(level)
+    log = logging.getLogger(logger)
+    log.addHandler(handler)
+    try:
+        yield records
+    finally:
+        log.removeHandler(handler)

@@ -15,14 +15,17 @@ events after flushing the L2 cache, the way ``triton.testing.do_bench`` does.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 import statistics
+import threading
 import time
 import timeit
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -49,6 +52,12 @@ __all__ = [
     "benchmark",
     "cold_l2_benchmark",
     "compare",
+    "first_call",
+    "torch_threads",
+    "per_call_ms",
+    "BackgroundLoad",
+    "MachineLoad",
+    "machine_load",
 ]
 
 NOISE_THRESHOLD = 0.10  # IQR / median above which a measurement is called noisy
@@ -410,3 +419,155 @@ def compare(baseline: Timing, *candidates: Timing) -> SpeedupTable:
         for t in timings
     )
     return SpeedupTable(baseline=baseline.label, rows=rows)
+
+
+def first_call(fn: Callable[..., Any], *args: Any, device: str | torch.device | None = None,
+               **kwargs: Any) -> tuple[float, Any]:
+    """Seconds of one synchronised call of ``fn(*args, **kwargs)``, and what it returned.
+
+    :func:`utils.first_call_s` for when the result is needed too (to check a compiled
+    function's first output against eager's): one call, so a first (compiling) call is timed
+    once and its output is not computed a second time.
+
+    Args:
+        fn: what to call.
+        *args: positional arguments for ``fn``.
+        device: synchronised before and after the call (default: the course's device).
+        **kwargs: keyword arguments for ``fn``.
+
+    Raises:
+        TypeError: ``fn`` is not callable.
+    """
+    _check_callable(fn)
+    dev = pick_device(device)
+    synchronize(dev)
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    synchronize(dev)
+    return time.perf_counter() - start, result
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[int]:
+    """Run the block with ``n`` intra-op CPU threads in this process, then restore the old count.
+
+    Yields ``n``. The old count comes back even when the block raises.
+
+    Raises:
+        ValueError: ``n`` is not a positive int.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive int (threads), got {n!r}")
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield n
+    finally:
+        torch.set_num_threads(old)
+
+
+def per_call_ms(fn: Callable[[], Any], n: int, *, device: str | torch.device | None = None,
+                desc: str | None = None) -> list[float]:
+    """Time ``n`` calls of ``fn()`` one by one, synchronising ``device`` around each: ms per call.
+
+    Each call is its own measurement (first calls included, nothing warmed up), which is what
+    a look at first calls or at the spread of single calls needs; for a steady-state time use
+    :func:`benchmark`.
+
+    Args:
+        fn: what to call (no arguments).
+        n: calls to time (>= 0).
+        device: synchronised before and after every call (default: the course's device).
+        desc: a progress bar's title (no bar when ``None``).
+
+    Raises:
+        TypeError: ``fn`` is not callable.
+        ValueError: ``n`` is not a non-negative int.
+    """
+    _check_callable(fn)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    dev = pick_device(device)
+    calls: Any = range(n)
+    if desc is not None:
+        from tqdm.auto import tqdm
+
+        calls = tqdm(calls, desc=desc, leave=False)
+    out = []
+    for _ in calls:
+        synchronize(dev)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(dev)
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+class BackgroundLoad:
+    """A thread that keeps a device busy with ``n x n`` matmuls while the ``with`` block runs.
+
+    On for ``on_s`` seconds, then idle for ``off_s``, repeated (the default: on all the time).
+    It disturbs measurements on purpose, to show what noise does to a mean, a median and an IQR.
+
+    Raises:
+        ValueError: ``n`` below 1, or a negative ``on_s`` / ``off_s``.
+    """
+
+    def __init__(self, device: str | torch.device | None, n: int, on_s: float = 1e9,
+                 off_s: float = 0.0) -> None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be a positive int (matrix size), got {n!r}")
+        if on_s < 0 or off_s < 0:
+            raise ValueError(f"on_s and off_s must not be negative, got {on_s!r}, {off_s!r}")
+        self.device, self.n, self.on_s, self.off_s = pick_device(device), n, on_s, off_s
+        self.matmuls = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        a = torch.randn(self.n, self.n, device=self.device)
+        b = torch.randn(self.n, self.n, device=self.device)
+        while not self._stop.is_set():
+            t_end = time.perf_counter() + self.on_s
+            while time.perf_counter() < t_end and not self._stop.is_set():
+                a @ b
+                synchronize(self.device)
+                self.matmuls += 1
+            self._stop.wait(self.off_s)
+
+    def __enter__(self) -> "BackgroundLoad":
+        if self._thread.ident is not None:
+            raise RuntimeError("a BackgroundLoad runs once: make a new one for the next block")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@dataclass(frozen=True)
+class MachineLoad:
+    """The machine's 1-minute load average against its logical CPUs (``nan``: no load average
+    on this OS). Machine-wide, as the load average is: not a size to compute with."""
+
+    load_1min: float
+    cpus: int
+
+    @property
+    def oversubscribed(self) -> bool:
+        """More runnable processes than CPUs: some waited for a core."""
+        return self.load_1min > self.cpus
+
+    def __str__(self) -> str:
+        if self.load_1min != self.load_1min:  # NaN
+            return "(this OS reports no load average)"
+        verdict = ("more runnable processes than CPUs: some waited for a core"
+                   if self.oversubscribed else "no more runnable processes than CPUs")
+        return f"load average over the last minute {self.load_1min:.1f} on {self.cpus} CPUs: {verdict}"
+
+
+def machine_load() -> MachineLoad:
+    """The load now: runnable processes on the whole machine (1-minute average) and its CPUs."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return MachineLoad(load, os.cpu_count() or 1)
