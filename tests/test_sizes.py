@@ -199,3 +199,23 @@ def test_format_table_aligns_numbers_right_and_words_left():
     assert lines[2].startswith("eager ") and lines[2].endswith("   1")
     assert lines[3].split() == ["compiled", "(default)", "3.25", "3.85"]
     assert lines[4].split()[1] == "-"
+
+
+def test_a_gpu_at_smoke_size_reads_its_overrides_and_prints_them(capsys):
+    table = {"mm_n": (256, 512, 8192), "batch": (1, 2, 4), "run_s": (0.05, 0.5, 0.5)}
+    cpu = utils.size_table(table, smoke=True, env=types.SimpleNamespace(is_cuda=False),
+                           gpu_smoke={"mm_n": 1024, "batch": 4})
+    gpu = utils.size_table(table, smoke=True, env=types.SimpleNamespace(is_cuda=True),
+                           gpu_smoke={"mm_n": 1024, "batch": 4})
+    assert (cpu.tier, cpu.mm_n, cpu.batch) == ("smoke", 256, 1)
+    assert (gpu.tier, gpu.mm_n, gpu.batch, gpu.run_s) == ("gpu-smoke", 1024, 4, 0.05)
+    full = utils.size_table(table, smoke=False, env=types.SimpleNamespace(is_cuda=True),
+                            gpu_smoke={"mm_n": 1024})
+    assert (full.tier, full.mm_n) == ("gpu", 8192)
+    out = capsys.readouterr().out.split("sizes: ")
+    assert "GPU smoke*" in out[2] and out[2].splitlines()[3].split() == ["mm_n", "256", "1024",
+                                                                         "512", "8192"]
+    with pytest.raises(ValueError, match="GPU smoke value 16 is larger than the GPU full value 4"):
+        utils.size_table(table, smoke=True, gpu_smoke={"batch": 16}, show=False)
+    with pytest.raises(ValueError, match="gpu_smoke names rows"):
+        utils.size_table(table, smoke=True, gpu_smoke={"bach": 1}, show=False)

@@ -199,7 +199,7 @@ def rank_plan(gpu_count: int, cpu_count: int, *, smoke: bool, min_ranks: int = 2
 #: CPU), full size on a machine without a GPU (it runs, slowly; the GPU claims do not apply), and
 #: full size on one GPU (where the claims are checked).
 TIERS = ("smoke", "cpu", "gpu")
-_TIER_LABELS = {"smoke": "smoke", "cpu": "CPU full", "gpu": "GPU full"}
+_TIER_LABELS = {"smoke": "smoke", "gpu-smoke": "GPU smoke", "cpu": "CPU full", "gpu": "GPU full"}
 
 
 def tier_of(smoke: bool, is_cuda: bool) -> str:
@@ -244,10 +244,12 @@ class Sizes(Mapping[str, Any]):
     column (``"smoke"``, ``"cpu"`` or ``"gpu"``) and ``S.table`` the whole table, for printing.
     """
 
-    def __init__(self, tier: str, values: dict[str, Any], table: dict[str, tuple[Any, ...]]):
+    def __init__(self, tier: str, values: dict[str, Any], table: dict[str, tuple[Any, ...]],
+                 gpu_smoke: Mapping[str, Any] | None = None):
         object.__setattr__(self, "tier", tier)
         object.__setattr__(self, "_values", dict(values))
         object.__setattr__(self, "table", table)
+        object.__setattr__(self, "gpu_smoke", dict(gpu_smoke or {}))
 
     def __getattr__(self, name: str) -> Any:
         values = object.__getattribute__(self, "_values")
@@ -274,9 +276,16 @@ class Sizes(Mapping[str, Any]):
 
     def describe(self) -> str:
         """The table as aligned text: one row per size (a dataclass's fields on rows of their
-        own), a column per tier, the column this run reads marked with ``*``."""
+        own), a column per tier (and a GPU-smoke column where the table has overrides for a GPU
+        at smoke size), the column this run reads marked with ``*``."""
+        tiers = list(TIERS)
+        columns = {key: list(values) for key, values in self.table.items()}
+        if self.gpu_smoke:
+            tiers.insert(1, "gpu-smoke")
+            for key, values in columns.items():
+                values.insert(1, self.gpu_smoke.get(key, values[0]))
         rows: list[list[str]] = []
-        for key, values in self.table.items():
+        for key, values in columns.items():
             if all(dataclasses.is_dataclass(v) and not isinstance(v, type) for v in values):
                 names = [f.name for f in dataclasses.fields(values[0])]
                 for name in names:
@@ -284,7 +293,7 @@ class Sizes(Mapping[str, Any]):
                                                       for v in values])
             else:
                 rows.append([key] + [_cell(v) for v in values])
-        header = ["size"] + [_TIER_LABELS[t] + ("*" if t == self.tier else "") for t in TIERS]
+        header = ["size"] + [_TIER_LABELS[t] + ("*" if t == self.tier else "") for t in tiers]
         return format_table([header] + rows, header_rule=True)
 
     def __str__(self) -> str:
@@ -293,7 +302,7 @@ class Sizes(Mapping[str, Any]):
 
 def size_table(table: Mapping[str, Any], *, smoke: bool, env: Any = None,
                tier: str | None = None, unordered: Iterable[str] = (), ledger: Any = None,
-               show: bool = True) -> Sizes:
+               show: bool = True, gpu_smoke: Mapping[str, Any] | None = None) -> Sizes:
     """Pick this run's sizes from a notebook's size table and print the table.
 
     Args:
@@ -306,6 +315,10 @@ def size_table(table: Mapping[str, Any], *, smoke: bool, env: Any = None,
             tolerance): numbers that are not sizes.
         ledger: a :class:`utils.Ledger` to record the tier and the chosen sizes in.
         show: print the table.
+        gpu_smoke: values some rows take on a GPU at smoke size instead of the smoke column's
+            (``{"batch": 4}``), where the CPU's smoke sizes would time only launch overhead on
+            a GPU. They are never larger than the GPU-full values; a GPU smoke run reads the
+            tier ``"gpu-smoke"``, printed as a column of its own.
 
     Raises:
         ValueError: a row has the wrong number of columns, or a smoke size is larger than a full
@@ -349,8 +362,24 @@ def size_table(table: Mapping[str, Any], *, smoke: bool, env: Any = None,
                         f"size {where!r}: the smoke value {small!r} is larger than the "
                         f"{_TIER_LABELS[t]} value {big!r}; a smoke run must not be bigger than a "
                         "full one (list the row in unordered= if it is not a size)")
+    overrides = dict(gpu_smoke or {})
+    unknown = set(overrides) - set(full)
+    if unknown:
+        raise ValueError(f"gpu_smoke names rows the table does not have: {sorted(unknown)}")
+    for key, value in overrides.items():
+        small, big = _numeric_fields(value), _numeric_fields(full[key][-1])
+        for field_name, v in (small or {}).items():
+            limit = None if big is None else big.get(field_name)
+            if key not in exempt and limit is not None and v > limit:
+                where = f"{key}.{field_name}" if field_name else key
+                raise ValueError(f"size {where!r}: the GPU smoke value {v!r} is larger than the "
+                                 f"GPU full value {limit!r}")
     column = TIERS.index(tier)
-    sizes = Sizes(tier, {k: v[column] for k, v in full.items()}, full)
+    values = {k: v[column] for k, v in full.items()}
+    if tier == "smoke" and overrides and bool(getattr(env, "is_cuda", False)):
+        tier = "gpu-smoke"
+        values.update(overrides)
+    sizes = Sizes(tier, values, full, overrides)
     if ledger is not None:
         ledger.set_sizes(tier, {k: _cell(v) for k, v in sizes.items()})
     if show:
