@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -315,6 +316,7 @@ def test_benchmark_runs_every_run_says_why_one_is_skipped_and_prints_one_table(
     convention and the gains, one ledger."""
     seen = []
     monkeypatch.setattr(train, "train", _fake_train(seen))
+    monkeypatch.setattr(train, "_STARTED", time.perf_counter())  # the budget counts from here
     args = train.build_parser().parse_args(["--benchmark", "--device", "cpu", "--results",
                                             str(tmp_path / "bench.json")])
     rows = train.benchmark(args, train.build_parser())
@@ -344,6 +346,7 @@ def test_benchmark_runs_every_run_says_why_one_is_skipped_and_prints_one_table(
 def test_benchmark_keeps_to_its_budget_and_survives_a_failing_run(monkeypatch, capsys):
     seen = []
     monkeypatch.setattr(train, "train", _fake_train(seen, fail_on=lambda a: a.loss == "chunked"))
+    monkeypatch.setattr(train, "_STARTED", time.perf_counter())
     parser = train.build_parser()
     rows = train.benchmark(parser.parse_args(["--benchmark", "--device", "cpu", "--results",
                                               "none"]), parser)
@@ -358,6 +361,37 @@ def test_benchmark_keeps_to_its_budget_and_survives_a_failing_run(monkeypatch, c
     assert "left out for time" in rows[2]["skipped"] and "--budget-s 1e-09" in rows[2]["skipped"]
     with pytest.raises(SystemExit):
         train.benchmark(parser.parse_args(["--benchmark", "--budget-s", "0"]), parser)
+
+
+def test_benchmark_killed_at_a_time_limit_keeps_what_it_measured(tmp_path, monkeypatch, capsys):
+    # run-course.sh's train phase ends with `timeout`: the rows measured before the kill must
+    # be in the log's last lines and in the ledger, not only in a table printed at the end
+    seen = []
+    fake = _fake_train(seen)
+
+    def killed_at_the_fourth(args, parser):
+        if len(seen) == 3:
+            raise KeyboardInterrupt("the time limit")
+        return fake(args, parser)
+
+    monkeypatch.setattr(train, "train", killed_at_the_fourth)
+    monkeypatch.setattr(train, "_STARTED", time.perf_counter())
+    parser = train.build_parser()
+    with pytest.raises(KeyboardInterrupt):
+        train.benchmark(parser.parse_args(["--benchmark", "--device", "cpu", "--results",
+                                           str(tmp_path / "bench.json")]), parser)
+    out = capsys.readouterr().out
+    assert "--- the table so far" in out and "150,000" in out
+    led = utils.Ledger.load(tmp_path / "bench.json")
+    assert led["tokens_per_s_top_rung_GPT2_vocabulary"] == 150_000
+    # the budget counts from the process's start: a process that already spent it runs only
+    # the first two
+    seen.clear()
+    monkeypatch.setattr(train, "train", fake)
+    monkeypatch.setattr(train, "_STARTED", time.perf_counter() - 1000)
+    train.benchmark(parser.parse_args(["--benchmark", "--device", "cpu", "--results", "none"]),
+                    parser)
+    assert len(seen) == 2
 
 
 def test_benchmark_on_a_gpu_explains_the_best_runs_time_by_kernel_kind(monkeypatch, capsys):
@@ -381,6 +415,7 @@ def test_benchmark_on_a_gpu_explains_the_best_runs_time_by_kernel_kind(monkeypat
     assert "[matmul] nvjet_tst" in text
     seen = []
     monkeypatch.setattr(train, "train", _fake_train(seen, profile=prof))
+    monkeypatch.setattr(train, "_STARTED", time.perf_counter())
     monkeypatch.setattr(train, "_device_type", lambda args: "cuda")
     monkeypatch.setattr(train, "_release_compiled", lambda device_type: None)  # no GPU to free
     monkeypatch.setattr(train.ladder, "fp8_unavailable_reason", lambda device=None: "")

@@ -1227,7 +1227,8 @@ def grade(
         with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
             futures = {pool.submit(_grade_one, p, template, hidden, out, timeout_s,
                                    notebook_timeout_s, names[p.submission.student], limit,
-                                   explicit_limit, slots): p for p in prepared}
+                                   gpu_memory_limit=explicit_limit,  # --memory-limit given
+                                   slots=slots): p for p in prepared}
             for fut in concurrent.futures.as_completed(futures):
                 p = futures[fut]
                 try:
