@@ -383,7 +383,7 @@ def size_table(table: Mapping[str, Any], *, smoke: bool, env: Any = None,
     if ledger is not None:
         ledger.set_sizes(tier, {k: _cell(v) for k, v in sizes.items()})
     if show:
-        print(f"sizes: the {_TIER_LABELS[tier]} column (*)")
+        print(f"sizes: this run uses the {_TIER_LABELS[tier]} column (marked *)")
         print(sizes.describe())
     return sizes
 
