@@ -201,7 +201,9 @@ class CollectivesByModule(CollectiveCounter):
         self._model = model
         self._stack: list[str] = []       # modules whose forward is running
         self._backward_in = "(outside any module)"
-        self._hooked: set[int] = set()    # outputs that already carry an inner module's hook
+        # outputs that already carry an inner module's hook, held until exit: an id alone could
+        # be reused by a later tensor once the first is freed, and that tensor's hook then lost
+        self._hooked: dict[int, torch.Tensor] = {}
         self._handles = []
 
     def __enter__(self):
@@ -222,8 +224,8 @@ class CollectivesByModule(CollectiveCounter):
             # An output shared with an inner module (a Sequential's last layer) keeps the
             # inner module's hook: the innermost module is the one named.
             if (isinstance(output, torch.Tensor) and output.requires_grad
-                    and id(output) not in self._hooked):
-                self._hooked.add(id(output))
+                    and self._hooked.get(id(output)) is not output):
+                self._hooked[id(output)] = output
                 output.register_hook(self._backward_starts(name))
         return hook
 
@@ -248,6 +250,7 @@ class CollectivesByModule(CollectiveCounter):
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._hooked = {}
         return super().__exit__(*exc)
 
     def table(self) -> dict[str, dict[str, int]]:
