@@ -48,6 +48,7 @@ import os
 import re
 import sys
 import time
+import textwrap
 import traceback
 
 _STARTED = time.perf_counter()  # --benchmark's budget counts from here: torch's import included
@@ -84,11 +85,19 @@ def _rung_list() -> str:
     return "; ".join(f"{r.key} = {r.name}" for r in ladder.LADDER)
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Wraps each option's help without breaking at hyphens, so a command or a path in it
+    (``bash ../shared/gpu/bundle-wheels.sh torchao``) stays whole and can be copied."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="train.py", description=__doc__,
         epilog="The ladder's rungs, in order (--rung KEY): " + _rung_list() + ".",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=_HelpFormatter)
     p.add_argument("--preset", choices=("auto", *PRESETS), default="auto",
                    help="model and data sizes: gpt2 (12 layers, 768 wide, 1024 context), "
                         "tiny (a smoke-size model); auto (the default) = gpt2 on a GPU, "

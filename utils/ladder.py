@@ -621,13 +621,13 @@ def decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 #: or newer.
 FP8_MIN_CAPABILITY = (8, 9)
 #: How to get torchao, for error messages.
-FP8_INSTALL_HINT = ("pip install -e '.[fp8]' (torchao, pinned in constraints.txt); for a GPU "
-                    "machine without a registry, carry its wheel: "
+FP8_INSTALL_HINT = ("install the course as the README says (torchao is a dependency, pinned in "
+                    "constraints.txt); for a GPU machine without a registry, carry its wheel: "
                     "bash ../shared/gpu/bundle-wheels.sh torchao")
 
 
 def _torchao_float8() -> Any:
-    """``torchao.float8``, imported on first use (torchao is an optional extra)."""
+    """``torchao.float8``, imported on first use (its import is slow, and a torchao that does not fit this torch must not stop the other rungs)."""
     import torchao.float8
 
     return torchao.float8
