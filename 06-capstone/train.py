@@ -167,12 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "seconds from the process's start, imports included (default: 250, for "
                         "a 300 s limit). The table so far and the ledger are written after "
                         "every run, so a run killed at a time limit keeps what it measured")
-    p.add_argument("--profile-steps", type=int, default=0, metavar="N",
+    p.add_argument("--profile-steps", type=int, default=None, metavar="N",
                    help="after training, profile N more steps and print the step's time by "
                         "kernel kind (matmul, attention, optimizer, copy, other, idle) against "
-                        "the FLOP bound at the measured ceiling; CUDA only (default: 0, none; "
+                        "the FLOP bound at the measured ceiling; CUDA only (default: none; "
                         f"--benchmark profiles {BENCHMARK_PROFILE_STEPS} steps of every compiled "
-                        "run)")
+                        "run unless given --profile-steps 0)")
     p.add_argument("--results", default=None, metavar="PATH",
                    help="where to write this run's figures as a ledger (JSON, what "
                         "`python -m utils report` reads; default: 06-capstone__train.json in "
@@ -260,7 +260,7 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, world: in
             parser.error(f"--{key.replace('_', '-')} must be a positive integer, got {value!r}")
     if args.warmup_steps < 0:
         parser.error(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
-    if args.profile_steps < 0:
+    if args.profile_steps is not None and args.profile_steps < 0:
         parser.error(f"--profile-steps must be >= 0, got {args.profile_steps}")
     if sizes["n_embd"] % sizes["n_head"]:
         parser.error(f"--n-embd ({sizes['n_embd']}) must be divisible by --n-head "
@@ -296,6 +296,12 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, world: in
     if rest or per_rank % cfg.accum_steps:
         parser.error(f"--batch-size {sizes['batch_size']} must split into {world} process(es) x "
                      f"--accum-steps {cfg.accum_steps} equal micro-batches")
+    tokens = per_rank // cfg.accum_steps * sizes["block_size"]
+    if cfg.fp8 and tokens % 16:
+        # The weight gradient's FP8 matmul has the micro-batch's tokens as an inner dimension,
+        # which torch._scaled_mm needs to be a multiple of 16.
+        parser.error(f"--fp8: a micro-batch of {tokens} tokens (batch x --block-size per "
+                     "micro-batch); FP8 matmuls need a multiple of 16")
     return device_type, preset, sizes, cfg, rung_name, notes
 
 
@@ -596,6 +602,11 @@ def kernel_breakdown(profile: StepProfile, flops: float, ceiling_tflops: float,
     count twice, so the parts can add to a little more than the gap).
     """
     wall = profile.wall_ms_per_step
+    if not profile.kernels_per_step or wall <= 0:
+        return [f"time by kernel kind, {profile.label}: the profiler recorded no GPU kernels in "
+                f"{profile.steps} profiled step(s) ({wall:.2f} ms per step), so there is no "
+                "breakdown to show (with CUDA graphs, some CUPTI versions record no replayed "
+                "kernels)"]
     ms = profile.kernel_ms_by_category
     idle = max(wall - profile.busy_ms_per_step, 0.0)
     bound = flops / (ceiling_tflops * 1e12) * 1e3
@@ -670,9 +681,10 @@ def benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list
             print(f"\n=== {run.label}: skipped: {reason}", flush=True)
             rows.append({"label": run.label, "versus": run.versus, "skipped": reason})
             continue
-        profile_steps = args.profile_steps
-        if device_type == "cuda" and run.overrides.get("rung") != "fp32":
-            profile_steps = profile_steps or BENCHMARK_PROFILE_STEPS
+        profile_steps = args.profile_steps or 0
+        if device_type == "cuda" and run.overrides.get("rung") != "fp32" \
+                and args.profile_steps is None:
+            profile_steps = BENCHMARK_PROFILE_STEPS
         run_args = argparse.Namespace(**{**vars(args), **overrides, "out": "none",
                                          "results": "none", "benchmark": False,
                                          "profile_steps": profile_steps, "quiet_profile": True,

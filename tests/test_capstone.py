@@ -3,6 +3,7 @@ two under torchrun with gloo)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -427,6 +428,32 @@ def test_benchmark_on_a_gpu_explains_the_best_runs_time_by_kernel_kind(monkeypat
     out = capsys.readouterr().out
     assert "The best run by model TFLOP/s, 2x batch, chunked loss, GPT-2 vocabulary:" in out
     assert "time by kernel kind, CUDA graphs: 3 profiled step(s)" in out
+    # --profile-steps 0 turns the profiler off in --benchmark too (a profiler fault on CUDA
+    # graphs can end the process, and with it the later runs)
+    seen.clear()
+    train.benchmark(parser.parse_args(["--benchmark", "--preset", "gpt2", "--results", "none",
+                                       "--profile-steps", "0"]), parser)
+    assert [s.profile_steps for s in seen] == [0] * 6
+    # a profile with no kernels in it says so instead of a breakdown that is all idle time
+    empty = dataclasses.replace(prof, kernels_per_step=0.0, busy_ms_per_step=0.0,
+                                kernels_by_category={}, kernel_ms_by_category={}, top_kernels=())
+    (line,) = train.kernel_breakdown(empty, flops=28e12, ceiling_tflops=700.0, kind="bf16")
+    assert "recorded no GPU kernels in 3 profiled step(s)" in line
+
+
+def test_fp8_needs_micro_batches_of_a_multiple_of_16_tokens(monkeypatch, capsys):
+    """torch._scaled_mm wants inner dimensions that are multiples of 16; in the weight
+    gradient's matmul one of them is the micro-batch's token count."""
+    monkeypatch.setattr(train.ladder, "fp8_unavailable_reason", lambda device=None: "")
+    parser = train.build_parser()
+    args = ["--preset", "tiny", "--device", "cpu", "--fp8", "--batch-size", "3"]
+    with pytest.raises(SystemExit) as exc:
+        train.resolve(parser.parse_args([*args, "--block-size", "31"]), parser, world=1)
+    assert exc.value.code == 2
+    assert "--fp8: a micro-batch of 93 tokens" in capsys.readouterr().err
+    *_, cfg, _, _ = train.resolve(parser.parse_args([*args, "--block-size", "32"]), parser,
+                                  world=1)
+    assert cfg.fp8
 
 
 def test_random_tokens_at_gpt2_vocabulary(tmp_path):
