@@ -10,11 +10,17 @@ shows exactly that).
 Experiments (``--experiment``):
 
 ``holes``
-    Allocate ``--blocks`` tensors of ``--block-mib`` MiB, free every other one,
-    call ``torch.cuda.empty_cache()``, then ask for one tensor larger than any
-    hole. Reports allocated and reserved memory, segments and the allocator's
-    counters after each stage: what fragmentation looks like, and what
-    ``empty_cache`` can and cannot give back.
+    For each size in ``--block-mib``: allocate one block of ``--blocks`` times
+    the largest of those sizes and free it (the allocator caches it), carve
+    tensors of that size out of it, free every other one (holes of that size
+    between live tensors), call ``torch.cuda.empty_cache()``, then ask for one
+    tensor three holes long. Reports allocated and reserved memory, segments and
+    the allocator's counters after each stage: what fragmentation looks like,
+    and what ``empty_cache`` can and cannot give back. By default the tensors
+    share the freed block's one segment, and a segment with a live tensor in it
+    is never returned; expandable segments return the 20 MiB granules (large
+    pool) that lie wholly inside a hole, so holes shorter than a granule give
+    nothing back.
 ``varlen``
     Train ``utils.TinyGPT`` for ``--steps`` steps whose sequence length changes
     every step (the same seeded lengths in every process): the peak allocated
@@ -49,9 +55,10 @@ MIB = 2**20
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--experiment", choices=("holes", "varlen"), required=True)
-    p.add_argument("--blocks", type=int, default=64, help="holes: how many tensors")
-    p.add_argument("--block-mib", type=int, default=4, help="holes: size of each, MiB")
-    p.add_argument("--big-mib", type=int, default=16, help="holes: the request after freeing")
+    p.add_argument("--blocks", type=int, default=16,
+                   help="holes: the freed block is this many times the largest --block-mib (even)")
+    p.add_argument("--block-mib", type=int, nargs="+", default=[4, 20],
+                   help="holes: tensor (and hole) sizes, MiB; each divides the largest")
     p.add_argument("--steps", type=int, default=30, help="varlen: training steps")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--n-layer", type=int, default=4)
@@ -64,10 +71,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "ignored: the allocator has read its settings already)")
     p.add_argument("--out", default=None, help="also write the JSON result here")
     args = p.parse_args(argv)
-    for name in ("blocks", "block_mib", "big_mib", "steps", "batch", "n_layer", "n_embd",
-                 "n_head", "vocab_size", "block_size"):
+    for name in ("blocks", "steps", "batch", "n_layer", "n_embd", "n_head", "vocab_size",
+                 "block_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if min(args.block_mib) < 1 or any(max(args.block_mib) % b for b in args.block_mib):
+        p.error("--block-mib sizes must be >= 1 and each must divide the largest")
+    if args.blocks % 2:
+        p.error("--blocks must be even (every other tensor is freed; the last one stays)")
     return args
 
 
@@ -108,22 +119,29 @@ def settings(torch) -> dict:
 
 
 def exp_holes(torch, args, device) -> dict:
-    stages = {}
-    blocks = [torch.empty(args.block_mib * MIB, dtype=torch.uint8, device=device)
-              for _ in range(args.blocks)]
-    torch.cuda.synchronize()
-    stages["allocated"] = allocator_view(torch)
-    blocks = blocks[1::2]  # free every other tensor: holes between live tensors
-    stages["every other freed"] = allocator_view(torch)
-    torch.cuda.empty_cache()
-    stages["after empty_cache"] = allocator_view(torch)
-    big = torch.empty(args.big_mib * MIB, dtype=torch.uint8, device=device)
-    torch.cuda.synchronize()
-    stages[f"{args.big_mib} MiB requested"] = allocator_view(torch)
-    del big, blocks
-    torch.cuda.empty_cache()
-    stages["all freed, empty_cache"] = allocator_view(torch)
-    return {"stages": stages}
+    region = args.blocks * max(args.block_mib) * MIB
+    runs = {}
+    for hole_mib in args.block_mib:
+        stages = {}
+        block = torch.empty(region, dtype=torch.uint8, device=device)
+        del block  # cached whole, as a large freed temporary is
+        stages["block freed"] = allocator_view(torch)
+        tensors = [torch.empty(hole_mib * MIB, dtype=torch.uint8, device=device)
+                   for _ in range(region // (hole_mib * MIB))]
+        torch.cuda.synchronize()
+        stages["tensors"] = allocator_view(torch)
+        tensors = tensors[1::2]  # free every other tensor: holes between live tensors
+        stages["half freed"] = allocator_view(torch)
+        torch.cuda.empty_cache()
+        stages["empty_cache()"] = allocator_view(torch)
+        big = torch.empty(3 * hole_mib * MIB, dtype=torch.uint8, device=device)
+        torch.cuda.synchronize()
+        stages["3-hole request"] = allocator_view(torch)
+        del big, tensors
+        torch.cuda.empty_cache()
+        stages["all freed"] = allocator_view(torch)
+        runs[str(hole_mib)] = {"tensors": region // (hole_mib * MIB), "stages": stages}
+    return {"region_bytes": region, "runs": runs}
 
 
 def exp_varlen(torch, args, device) -> dict:
