@@ -161,6 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "runs: its autotuning is expected to take minutes on a GPU, too much for "
                         "the budget; run it apart (--compile max-autotune-gemm, its first step "
                         "is what it cost)")
+    p.add_argument("--fp8-sweep", nargs="?", const=FP8_SWEEP_WIDTHS, default=None,
+                   metavar="WIDTHS",
+                   help="instead of training: time a GPT block's MLP (d -> 4d -> d) forward and "
+                        "backward with bf16 and with FP8 linears at each width (comma-separated, "
+                        f"default {FP8_SWEEP_WIDTHS}), each compiled, on the preset's batch x "
+                        "--block-size tokens; print where FP8 starts to pay and write a ledger "
+                        "(06-capstone/train_fp8_sweep). CUDA sm89+ and torchao; it compiles two small "
+                        "models per width")
     p.add_argument("--budget-s", type=float, default=250,
                    help="--benchmark: leave out an optional run (after the first two) whose "
                         "estimated time, from the top rung's, would end it past this many "
@@ -570,6 +578,11 @@ BENCHMARK_RUNS = (
                  {"rung": "top", "data": "random", "loss": "chunked", "steps": 40},
                  versus="chunked loss, GPT-2 vocabulary", cost=1.5, batch_factor=2),
 )
+#: --fp8-sweep's widths: GPT-2 small's 768 up to the widths of 7B-class models.
+FP8_SWEEP_WIDTHS = "768,1024,1536,2048,3072,4096"
+#: --fp8-sweep: FP8 "pays" from the smallest width at which it is at least this much faster
+#: than bf16 at every larger width measured.
+FP8_PAYS_AT = 1.1
 #: train.py's steps when --steps is not given (--benchmark: each run's own, above).
 DEFAULT_STEPS = 200
 #: Steps --benchmark profiles after each compiled run (CUDA only), for the kernel breakdown.
@@ -823,12 +836,57 @@ def write_benchmark_ledger(args: argparse.Namespace, rows: list[dict]) -> Path:
     return ledger.save(path)
 
 
+def fp8_sweep(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list:
+    """--fp8-sweep: bf16 against FP8 linears in a GPT block's MLP, width by width."""
+    try:
+        widths = [int(w) for w in str(args.fp8_sweep).split(",") if w.strip()]
+    except ValueError:
+        parser.error(f"--fp8-sweep takes comma-separated widths, got {args.fp8_sweep!r}")
+    device_type = _device_type(args)
+    preset = args.preset if args.preset != "auto" else ("gpt2" if device_type == "cuda" else "tiny")
+    tokens = (args.batch_size or PRESETS[preset]["batch_size"]) * \
+        (args.block_size or PRESETS[preset]["block_size"])
+    if not widths or any(w < 16 or w % 16 for w in widths) or tokens % 16:
+        parser.error(f"--fp8-sweep: widths and batch x --block-size ({tokens} tokens) must be "
+                     f"positive multiples of 16, got widths {widths}")
+    reason = ladder.fp8_unavailable_reason(device_type)
+    if reason:
+        parser.error(f"--fp8-sweep: {reason}")
+    device = utils.pick_device(device_type)
+    print(f"FP8 against bf16 in a GPT block's MLP (d -> 4d -> d, forward and backward, "
+          f"{tokens} tokens, compiled) on {utils.get_env(device).device_name}", flush=True)
+    points = ladder.fp8_mlp_sweep(widths, tokens=tokens, device=device,
+                                  compile=device.type == "cuda",
+                                  progress=lambda line: print("  " + line, flush=True))
+    print(utils.format_table(
+        [["width", "bf16 ms", "FP8 ms", "bf16 TFLOP/s", "FP8 TFLOP/s", "FP8 speedup"]]
+        + [[p.width, p.bf16_ms, p.fp8_ms, p.tflops(p.bf16_ms), p.tflops(p.fp8_ms),
+            f"{p.speedup:.2f}x"] for p in points]))
+    start = ladder.fp8_pays_from(points, min_speedup=FP8_PAYS_AT)
+    print(f"FP8 is at least {FP8_PAYS_AT:g}x bf16 at every width from {start} on" if start else
+          f"FP8 is not {FP8_PAYS_AT:g}x bf16 at the largest width measured ({max(widths)})")
+    if args.results != "none":
+        ledger = utils.Ledger("06-capstone/train_fp8_sweep", smoke=preset == "tiny",
+                              env=utils.get_env(device), strict=False)
+        for p in points:
+            ledger.record("fp8_mlp", p)
+        ledger.record("fp8_pays_from_width", float(start or 0), "",
+                      note=f"smallest width from which FP8 is >= {FP8_PAYS_AT:g}x bf16 at every "
+                           "larger width measured; 0: none")
+        path = ledger.save(Path(args.results) if args.results else
+                           utils.results_dir() / "06-capstone__train_fp8_sweep.json")
+        print(f"figures: {path}")
+    return points
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.data == "random" and args.vocab_size < 2:
         parser.error(f"--vocab-size must be at least 2, got {args.vocab_size}")
-    if args.benchmark:
+    if args.fp8_sweep is not None:
+        fp8_sweep(args, parser)
+    elif args.benchmark:
         benchmark(args, parser)
     else:
         train(args, parser)

@@ -468,3 +468,37 @@ def test_random_tokens_at_gpt2_vocabulary(tmp_path):
     x, y = batches(1)
     assert torch.equal(x, corpus.RandomTokens(100, seed=1).on_device("cpu", 3, 2, 8)(1)[0])
     assert x.shape == (2, 8) and int(x.max()) < 100 and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_fp8_sweep_times_both_kinds_per_width_and_says_where_fp8_pays(tmp_path, monkeypatch,
+                                                                      capsys):
+    """On a CPU torch emulates the FP8 matmuls (slowly, eager): enough to run the plumbing."""
+    parser = train.build_parser()
+    with pytest.raises(SystemExit) as exc:  # a CPU: refused with the reason, before any work
+        train.main(["--fp8-sweep", "--device", "cpu"])
+    assert exc.value.code == 2 and "--fp8-sweep: FP8 training needs a CUDA GPU" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train.fp8_sweep(parser.parse_args(["--fp8-sweep", "768,100"]), parser)
+    assert "positive multiples of 16" in capsys.readouterr().err
+    monkeypatch.setattr(train.ladder, "fp8_unavailable_reason", lambda device=None: "")
+    out = tmp_path / "sweep.json"
+    points = train.fp8_sweep(parser.parse_args(
+        ["--fp8-sweep", "16", "--device", "cpu", "--batch-size", "2", "--block-size", "16",
+         "--results", str(out)]), parser)
+    (p,) = points
+    assert (p.width, p.tokens, p.flops) == (16, 32, 48 * 32 * 16**2)
+    assert p.bf16_ms > 0 and p.fp8_ms > 0
+    text = capsys.readouterr().out
+    assert "FP8 speedup" in text and "FP8 is not 1.1x bf16 at the largest width" in text
+    keys = {m["name"] for m in json.loads(out.read_text())["measurements"]}
+    assert {"fp8_mlp_d16_speedup", "fp8_mlp_d16_fp8_tflops", "fp8_pays_from_width"} <= keys
+
+
+def test_fp8_pays_from_the_smallest_width_after_which_it_always_pays():
+    def pt(width, speedup):
+        return train.ladder.Fp8SweepPoint(width, 32, 1.0, bf16_ms=speedup, fp8_ms=1.0)
+
+    assert train.ladder.fp8_pays_from([pt(768, 0.9), pt(2048, 1.3), pt(1024, 1.2)]) == 1024
+    assert train.ladder.fp8_pays_from([pt(768, 1.2), pt(1024, 1.0), pt(2048, 1.3)]) == 2048
+    assert train.ladder.fp8_pays_from([pt(768, 1.2), pt(1024, 1.05)]) is None

@@ -82,6 +82,9 @@ __all__ = [
     "fp8_module_filter",
     "fp8_linear_names",
     "convert_to_fp8",
+    "Fp8SweepPoint",
+    "fp8_mlp_sweep",
+    "fp8_pays_from",
     "Trainer",
     "count_step_flops",
     "measure_ceilings_tflops",
@@ -705,6 +708,122 @@ def convert_to_fp8(model: nn.Module) -> list[str]:
         raise ImportError(f"FP8 training needs torchao: {FP8_INSTALL_HINT} ({exc})") from exc
     f8.convert_to_float8_training(model, module_filter_fn=fp8_module_filter(model))
     return [name for name, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
+
+
+@dataclass(frozen=True)
+class Fp8SweepPoint:
+    """One width of :func:`fp8_mlp_sweep`: a transformer MLP's forward and backward, timed with
+    bf16 linears and with torchao's FP8 linears.
+
+    Attributes:
+        width: the model width ``d`` (the MLP is ``d -> 4d -> d``).
+        tokens: rows of the input (batch x sequence).
+        flops: matmul FLOPs of one forward and backward, ``48 * tokens * d**2`` (each of the
+            two linears: ``2 * tokens * d * 4d`` forward, twice that backward).
+        bf16_ms, fp8_ms: median time of one forward and backward.
+    """
+
+    width: int
+    tokens: int
+    flops: float
+    bf16_ms: float
+    fp8_ms: float
+
+    @property
+    def speedup(self) -> float:
+        """bf16's time over FP8's: above 1, FP8 pays at this width."""
+        return self.bf16_ms / self.fp8_ms
+
+    def tflops(self, ms: float) -> float:
+        return self.flops / (ms * 1e-3) / 1e12
+
+    def ledger_fields(self) -> dict[str, tuple[float, str]]:
+        return {f"d{self.width}_bf16_tflops": (self.tflops(self.bf16_ms), "TFLOP/s"),
+                f"d{self.width}_fp8_tflops": (self.tflops(self.fp8_ms), "TFLOP/s"),
+                f"d{self.width}_speedup": (self.speedup, "x")}
+
+
+def fp8_mlp_sweep(widths: Sequence[int], *, tokens: int, device: str | torch.device | None = None,
+                  compile: bool = True, min_run_time_s: float = 0.3, seed: int = 0,
+                  progress: Callable[[str], None] | None = None) -> list[Fp8SweepPoint]:
+    """Does FP8 pay, and from which width? Time a GPT block's MLP (``Linear(d, 4d)``, GELU,
+    ``Linear(4d, d)``, no bias) forward and backward (the input's gradient included, as inside a
+    model) under bf16 autocast, once as it is and once converted with :func:`convert_to_fp8`,
+    at each width.
+
+    FP8's matmuls run at up to twice bf16's rate, but every FP8 linear first finds each input's
+    largest magnitude and casts it (dynamic tensorwise scaling): memory-bound work that grows
+    with ``tokens * d``, while the matmuls grow with ``tokens * d**2``. So FP8 pays from some
+    width on; this measures where, on this GPU. Each model is compiled on its own
+    (``torch.compiler.reset()`` first, so ten compiles of the same ``forward`` never reach
+    Dynamo's recompile limit and fall back to eager).
+
+    Args:
+        widths: the widths ``d`` to time (multiples of 16, as ``torch._scaled_mm`` needs).
+        tokens: the input's rows (a multiple of 16).
+        device: where to run; FP8 pays only on a CUDA GPU of compute capability 8.9+ (torch
+            emulates FP8 matmuls on a CPU, slowly: enough for a test).
+        compile: ``torch.compile`` each model (how the capstone's rungs run).
+        min_run_time_s: measuring time per model (:func:`utils.benchmark`).
+        progress: called with a line as each width ends.
+
+    Raises:
+        ValueError: a width or ``tokens`` that is not a positive multiple of 16.
+        ImportError: torchao is not installed.
+    """
+    dev = pick_device(device)
+    bad = [w for w in [*widths, tokens] if not isinstance(w, int) or w < 16 or w % 16]
+    if bad or not widths:
+        raise ValueError(f"widths and tokens must be positive multiples of 16 (FP8 matmuls need "
+                         f"them), got widths={list(widths)}, tokens={tokens}")
+    points = []
+    for width in widths:
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(tokens, width, generator=gen).to(dev).requires_grad_(True)
+        grad = torch.randn(tokens, width, generator=gen).to(dev)
+        times = {}
+        for kind in ("bf16", "fp8"):
+            torch.manual_seed(seed)
+            mlp = nn.Sequential(nn.Linear(width, 4 * width, bias=False), nn.GELU(),
+                                nn.Linear(4 * width, width, bias=False)).to(dev)
+            if kind == "fp8":
+                convert_to_fp8(mlp)
+            if compile:
+                torch.compiler.reset()
+                run = torch.compile(mlp, dynamic=False)
+            else:
+                run = mlp
+
+            def step(run=run, mlp=mlp):
+                mlp.zero_grad(set_to_none=True)
+                x.grad = None
+                with torch.autocast(dev.type, dtype=torch.bfloat16):
+                    out = run(x)
+                out.backward(grad)
+
+            times[kind] = benchmark(step, device=dev, label=f"{kind} d={width}",
+                                    min_run_time_s=min_run_time_s, warn_if_noisy=False).median_ms
+            del run, mlp
+        point = Fp8SweepPoint(width=width, tokens=tokens, flops=48.0 * tokens * width**2,
+                              bf16_ms=times["bf16"], fp8_ms=times["fp8"])
+        points.append(point)
+        if progress is not None:
+            progress(f"d={width}: bf16 {point.bf16_ms:.3f} ms, FP8 {point.fp8_ms:.3f} ms, "
+                     f"FP8 {point.speedup:.2f}x")
+        del x, grad
+    if compile:
+        torch.compiler.reset()
+    return points
+
+
+def fp8_pays_from(points: Sequence[Fp8SweepPoint], *, min_speedup: float = 1.1) -> int | None:
+    """The smallest width from which FP8 is at least ``min_speedup`` times bf16's speed at
+    every larger width measured, or ``None`` where it never is."""
+    ordered = sorted(points, key=lambda p: p.width)
+    for i, point in enumerate(ordered):
+        if all(p.speedup >= min_speedup for p in ordered[i:]):
+            return point.width
+    return None
 
 
 # ----------------------------------------------------------------------------- the step
