@@ -20,6 +20,8 @@
 - :class:`SavedTensorCompression` keeps the tensors autograd saves for
   backward in bf16 or int8 (``torch.autograd.graph.saved_tensors_hooks``)
   and counts the bytes before and after.
+- :func:`optimizer_state_bytes` counts an optimizer's state from its tensors (a quantized state's
+  codes, scales and maps too), on one device or all, torchao's offloading optimizer included.
 - :func:`host_memory` reads this process's resident and peak resident memory
   from the operating system's own accounting (``/proc/self/status``), and
   :func:`reset_peak_host_memory` restarts the peak, for fresh-process probes.
@@ -67,6 +69,7 @@ __all__ = [
     "BatchSearch",
     "find_max_batch",
     "SavedTensorCompression",
+    "optimizer_state_bytes",
     "HostMemory",
     "host_memory",
     "reset_peak_host_memory",
@@ -782,3 +785,44 @@ def reset_peak_host_memory() -> bool:
         return True
     except OSError:
         return False
+
+
+# --------------------------------------------------------------------------------------
+# Optimizer state
+# --------------------------------------------------------------------------------------
+def _tensor_nbytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``; a traceable tensor subclass (torchao's ``OptimState8bit``): its inner tensors."""
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(_tensor_nbytes(getattr(t, name)) for name in names)
+    return t.numel() * t.element_size()
+
+
+def optimizer_state_bytes(optimizer: Any, device_type: str | None = None) -> int:
+    """Bytes of an optimizer's per-parameter state, read from the state tensors themselves.
+
+    Counts every tensor in ``optimizer.state`` except 0-dim ones (the step counters). A
+    tensor subclass that flattens into inner tensors (torchao's 8-bit and 4-bit states: codes,
+    block scales and a code map) counts as the sum of those. An optimizer that holds others,
+    as torchao's ``CPUOffloadOptimizer`` holds one per offloaded parameter (``optim_dict``) and
+    one on the device for the small ones (``d_opt``), counts theirs.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer``, or torchao's ``CPUOffloadOptimizer``.
+        device_type: count only state on this kind of device (``"cuda"``, ``"cpu"``);
+            ``None`` counts all of it.
+
+    Raises:
+        ValueError: ``optimizer`` has no ``state`` to read.
+    """
+    if hasattr(optimizer, "optim_dict"):  # torchao.optim.CPUOffloadOptimizer
+        parts = [*optimizer.optim_dict.values()]
+        if getattr(optimizer, "d_opt", None) is not None:
+            parts.append(optimizer.d_opt)
+        return sum(optimizer_state_bytes(o, device_type) for o in parts)
+    if not hasattr(optimizer, "state"):
+        raise ValueError(f"{type(optimizer).__name__} has no .state to read")
+    return sum(_tensor_nbytes(v) for per_param in optimizer.state.values()
+               for v in per_param.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0
+               and (device_type is None or v.device.type == device_type))
