@@ -23,7 +23,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "env": ("EnvInfo", "Gate", "get_env", "needs", "pick_device", "print_env",
             "resolve_smoke", "synchronize"),
     "timing": ("Timing", "SpeedupTable", "NoisyMeasurementWarning", "benchmark",
-               "cold_l2_benchmark", "compare", "first_call", "torch_threads",
+               "cold_l2_benchmark", "compare", "first_call", "break_even", "torch_threads",
                "per_call_ms", "BackgroundLoad", "MachineLoad", "machine_load"),
     "memory": ("MemoryResult", "MemoryBreakdown", "TensorMemoryTracker",
                "measure_peak_memory", "memory_breakdown", "tensor_bytes", "format_bytes"),

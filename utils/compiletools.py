@@ -379,6 +379,15 @@ class StepProfile:
             return 0.0
         return min(max(1.0 - self.busy_ms_per_step / self.wall_ms_per_step, 0.0), 1.0)
 
+    def ledger_fields(self) -> dict[str, tuple[float, str]]:
+        """What ``Ledger.record(name, profile)`` records: ``name_kernels_per_step`` (in
+        :attr:`unit`), ``name_other_share`` (the memory-bound kind's share of the kernel time),
+        ``name_idle_fraction`` and ``name_median_gap_us``."""
+        return {"kernels_per_step": (self.kernels_per_step, self.unit),
+                "other_share": (self.share("other"), "fraction"),
+                "idle_fraction": (self.idle_fraction, "fraction"),
+                "median_gap_us": (self.median_gap_us, "us")}
+
     def row(self) -> str:
         """One line for a table: counts, shares, busy and idle time."""
         shares = " ".join(f"{c} {self.share(c):4.0%}" for c in ("matmul", "attention", "other"))

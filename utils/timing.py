@@ -53,6 +53,7 @@ __all__ = [
     "cold_l2_benchmark",
     "compare",
     "first_call",
+    "break_even",
     "torch_threads",
     "per_call_ms",
     "BackgroundLoad",
@@ -571,3 +572,32 @@ def machine_load() -> MachineLoad:
     """The load now: runnable processes on the whole machine (1-minute average) and its CPUs."""
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     return MachineLoad(load, os.cpu_count() or 1)
+
+
+def break_even(one_off_s: float, before: Timing | float, after: Timing | float) -> float:
+    """How many calls it takes for a one-off cost (a compile, say) to pay for itself.
+
+    The one-off seconds divided by what each call saves: ``before`` minus ``after``, each a
+    :class:`Timing` (its median) or milliseconds per call.
+
+    Args:
+        one_off_s: the cost paid once, in seconds (a first, compiling call).
+        before: the time per call without it (eager), a ``Timing`` or ms.
+        after: the time per call with it (compiled), a ``Timing`` or ms.
+
+    Returns:
+        The number of calls, not rounded; ``math.inf`` when ``after`` is not faster than
+        ``before`` (the cost never pays).
+
+    Raises:
+        ValueError: a negative or non-finite ``one_off_s``, or a time per call that is not a
+            positive finite number.
+    """
+    if not math.isfinite(one_off_s) or one_off_s < 0:
+        raise ValueError(f"one_off_s must be a finite number of seconds >= 0, got {one_off_s!r}")
+    per_call = [t.median_ms if isinstance(t, Timing) else float(t) for t in (before, after)]
+    for name, ms in zip(("before", "after"), per_call):
+        if not math.isfinite(ms) or ms <= 0:
+            raise ValueError(f"{name} must be a positive time per call (ms), got {ms!r}")
+    saved_ms = per_call[0] - per_call[1]
+    return one_off_s * 1e3 / saved_ms if saved_ms > 0 else math.inf
