@@ -63,6 +63,8 @@ __all__ = [
     "step_times_ms",
     "add_gpt_args",
     "gpt_config",
+    "gpt_args",
+    "show_script",
     "exactly_summable",
     "sum_error_bound",
     "single_process_group",
@@ -439,6 +441,52 @@ def gpt_config(args: argparse.Namespace, **overrides: int) -> "GPTConfig":
     if unknown:
         raise ValueError(f"unknown GPTConfig size(s) {sorted(unknown)}: use {sorted(sizes)}")
     return GPTConfig(**{**sizes, **overrides})
+
+
+def gpt_args(cfg: "GPTConfig") -> list[str]:
+    """The options of :func:`add_gpt_args` that give a worker script ``cfg``'s sizes.
+
+    The inverse of :func:`gpt_config`, for :func:`launch`'s ``args``:
+    ``["--vocab", "512", "--seq-len", "64", "--n-layer", "2", "--n-head", "4", "--n-embd", "128"]``.
+
+    Raises:
+        TypeError: ``cfg`` is not a :class:`~utils.GPTConfig`.
+        ValueError: ``cfg`` has dropout, which the worker scripts take no option for.
+    """
+    from .models import GPTConfig
+
+    if not isinstance(cfg, GPTConfig):
+        raise TypeError(f"expected a GPTConfig, got {type(cfg).__name__}")
+    if cfg.dropout:
+        raise ValueError(f"dropout={cfg.dropout}: the worker scripts have no dropout option")
+    return ["--vocab", str(cfg.vocab_size), "--seq-len", str(cfg.block_size),
+            "--n-layer", str(cfg.n_layer), "--n-head", str(cfg.n_head),
+            "--n-embd", str(cfg.n_embd)]
+
+
+def show_script(script: str | os.PathLike, *names: str) -> None:
+    """Print the top-level functions (or classes) ``names`` of a worker script, in the file's
+    order, read from the file without importing it: the notebook shows the code its ranks run.
+
+    Raises:
+        ValueError: no names given, or a name the script does not define at its top level.
+    """
+    import ast
+
+    source = Path(script).read_text()
+    defined = {node.name: node for node in ast.parse(source).body
+               if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    if not names:
+        raise ValueError(f"name what to show: {Path(script).name} defines {sorted(defined)}")
+    missing = [name for name in names if name not in defined]
+    if missing:
+        raise ValueError(f"{Path(script).name} defines no top-level {missing}; it defines "
+                         f"{sorted(defined)}")
+    lines = source.splitlines()
+    for node in defined.values():
+        if node.name in names:
+            start = min([d.lineno for d in node.decorator_list] + [node.lineno])
+            print("\n".join(lines[start - 1:node.end_lineno]), end="\n\n")
 
 
 def exactly_summable(numel: int, seed: int, world_size: int,
