@@ -383,3 +383,23 @@ def test_the_results_page_carries_the_claims_table_as_rendered():
         on_page = [ln for ln in page if ln.startswith(claim_cell)]
         assert len(on_page) == 1, claim_cell
         assert on_page[0].endswith(" | " + verdict_cell), (on_page[0], verdict_cell)
+
+
+def test_the_autocast_speed_claims_read_the_keys_02_autocast_records():
+    """02/02 records its step speedups as `step_speedup_<variant label as a key>` (a
+    SpeedupTable through Ledger.record); the registry must ask for those very keys, or the
+    notebook's evidence never reaches the results page (the fp16 variant is labelled with its
+    GradScaler)."""
+    import json
+    import re
+
+    from utils.timing import _key
+
+    nb = json.loads((REPO / f"{claims._NB_AUTOCAST}.ipynb").read_text(encoding="utf-8"))
+    src = "".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+    labels = re.findall(r'step_variants\["([^"]+)"\]', src)
+    assert len(labels) >= 2, labels
+    recorded = {f"step_speedup_{_key(label)}" for label in labels}
+    for dtype in ("bf16", "fp16"):
+        asked = [e.key for e in claims._amp_speed(dtype) if e.notebook == claims._NB_AUTOCAST]
+        assert asked and set(asked) <= recorded, (dtype, asked, sorted(recorded))

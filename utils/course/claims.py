@@ -160,8 +160,10 @@ def _amp_speed(dtype: str) -> tuple[Evidence, ...]:
     items = [Evidence(AMP_SCRIPT, f"step_speedup[*, {dtype}]"),
              Evidence(_NB_AMP, f"*_step_speedup_{dtype}",
                       f"training step: fp32 (TF32 off) / {word}"),
-             Evidence(_NB_AUTOCAST, f"step_speedup_autocast_{dtype}",
-                      f"TinyGPT training step: fp32 (TF32 off) / {dtype} autocast")]
+             # 02/02 records each variant under its label's key: "autocast fp16 + GradScaler"
+             Evidence(_NB_AUTOCAST, f"step_speedup_autocast_{dtype}"
+                                    + ("_gradscaler" if dtype == "fp16" else ""),
+                      f"TinyGPT training step: fp32 (TF32 off) / {word}")]
     # the capstone ladder's autocast rung (bf16, or fp16 + GradScaler on a GPU without bf16)
     rung = {"bf16": "bf16_autocast", "fp16": "fp16_autocast_gradscaler"}[dtype]
     items.append(Evidence(_NB_LADDER, f"{rung}_speedup_vs_fp32",
