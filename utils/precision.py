@@ -33,6 +33,7 @@ such mode and uses TF32). On torch before 2.9 it falls back to the global
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -43,7 +44,7 @@ __all__ = ["TF32State", "tf32_state", "set_tf32", "tf32", "fp32_matmul_precision
            "fp32_matmul_precision_state", "matmul_precision_label", "TF32_OVERRIDE_VARS",
            "tf32_overrides", "describe_tf32_overrides", "tf32_in_effect", "Tolerance",
            "arithmetic", "tolerance", "loosest_tolerance", "UNIT_ROUNDOFF", "loss_tolerance",
-           "check_close", "worst_excess"]
+           "check_close", "worst_excess", "max_rel_diff"]
 
 
 def _new_api() -> bool:
@@ -540,6 +541,35 @@ def worst_excess(actual: torch.Tensor | Sequence[torch.Tensor],
         tol = (loosest_tolerance(dtype, scale=e, factor=factor) if loosest
                else tolerance(dtype, device, scale=e, factor=factor, op=op))
         worst = max(worst, tol.excess(a, e))
+    return worst
+
+
+def max_rel_diff(actual: torch.Tensor | Sequence[torch.Tensor],
+                 expected: torch.Tensor | Sequence[torch.Tensor]) -> float:
+    """The largest ``|actual - expected|`` of each tensor over the largest ``|expected|`` of
+    that tensor, worst over all the tensors (in fp64): how far apart two sets of weights or
+    gradients are, on a scale that needs no tolerance (0 is bit for bit, 1 is as large as the
+    values themselves). An all-zero expected tensor gives 0 against an all-zero actual one and
+    infinity otherwise; a NaN in ``actual`` gives NaN, never a smaller number.
+
+    Raises:
+        ValueError, TypeError: the two sides do not pair up, or a pair's shapes differ.
+    """
+    worst = 0.0
+    for a, e in _pairs(actual, expected):
+        if a.shape != e.shape:
+            raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(e.shape)}")
+        if a.numel() == 0:
+            continue
+        a = a.detach().to(torch.float64)
+        e = e.detach().to(torch.float64).to(a.device)
+        diff, scale = float((a - e).abs().max()), float(e.abs().max())
+        if math.isnan(diff):
+            return math.nan
+        if scale > 0:
+            worst = max(worst, diff / scale)
+        elif diff > 0:
+            worst = math.inf
     return worst
 
 
