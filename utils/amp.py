@@ -9,6 +9,9 @@ Each of these was written more than once in the notebooks before it moved here:
 - :class:`AtenOpCounter` / :func:`count_aten_ops`: the aten ops a call runs, by op and
   output dtype, seen from below autocast (so the casts it inserts are counted), and
   the host synchronisations (``.item()``, ``bool(tensor)``) among them.
+- :func:`round_to_tf32` and :func:`fp8_quantize`: fp32 values rounded to TF32's 10 mantissa
+  bits (what sm80+ tensor cores do to a matmul's inputs under ``"tf32"``), and a tensor
+  stored as fp8 with a per-tensor scale (notebooks 1 and 5 of module 02).
 - :func:`fp8_matmul`: a per-tensor-scaled fp8 matmul through the public
   ``torch.nn.functional.scaled_mm`` where the installed torch has it (2.10 and newer),
   else through the private ``torch._scaled_mm``.
@@ -42,6 +45,8 @@ __all__ = [
     "AtenOpCounter",
     "count_aten_ops",
     "HOST_SYNC_OPS",
+    "round_to_tf32",
+    "fp8_quantize",
     "fp8_matmul_api",
     "fp8_matmul",
     "LossGap",
@@ -203,6 +208,45 @@ def count_aten_ops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[A
     with AtenOpCounter() as counter:
         result = fn(*args, **kwargs)
     return result, counter
+
+
+def round_to_tf32(x: torch.Tensor) -> torch.Tensor:
+    """fp32 values rounded to TF32's 10 mantissa bits (to nearest, ties to even); still fp32.
+
+    TF32 has no dtype: sm80+ tensor cores round each fp32 input of a matmul to it under
+    ``"tf32"``. This emulates that rounding exactly, with integer operations on the bit
+    pattern: add just under half of the 13 dropped bits' range (plus the lowest kept bit, so
+    that a tie goes to the even neighbour), then clear the dropped bits.
+
+    Raises:
+        TypeError: ``x`` is not a float32 tensor.
+    """
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+        raise TypeError(f"expected a float32 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    bits = x.contiguous().view(torch.int32)
+    bits = (bits + 0x0FFF + ((bits >> 13) & 1)) & ~0x1FFF
+    return bits.view(torch.float32)
+
+
+def fp8_quantize(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` stored as fp8 with one scale per tensor: ``(x_fp8, scale)``, ``x ~ x_fp8 * scale``.
+
+    The scale maps the tensor's largest magnitude (amax) to the format's largest value, so
+    the stored numbers ``x / scale`` fill the format's range instead of underflowing. The
+    scale is a 0-dim float32 tensor, as :func:`fp8_matmul` takes it.
+
+    Raises:
+        TypeError: ``dtype`` is not ``float8_e4m3fn`` or ``float8_e5m2``.
+        ValueError: ``x`` is all zeros (or not finite), so no scale fits it.
+    """
+    if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
+    amax = x.detach().abs().amax().float()
+    if not (torch.isfinite(amax) and amax > 0):
+        raise ValueError(f"cannot scale a tensor whose largest magnitude is {amax.item()}")
+    scale = (amax / torch.finfo(dtype).max).reshape(())
+    return (x / scale).to(dtype), scale
 
 
 def _public_scaled_mm_usable() -> bool:
