@@ -490,7 +490,10 @@ def test_fp8_sweep_times_both_kinds_per_width_and_says_where_fp8_pays(tmp_path, 
     assert (p.width, p.tokens, p.flops) == (16, 32, 48 * 32 * 16**2)
     assert p.bf16_ms > 0 and p.fp8_ms > 0
     text = capsys.readouterr().out
-    assert "FP8 speedup" in text and "FP8 is not 1.1x bf16 at the largest width" in text
+    # the verdict follows the measured speedup (emulated FP8 on a CPU: either way)
+    verdict = ("FP8 is at least 1.1x bf16 at every width from 16 on" if p.speedup >= 1.1 else
+               "FP8 is not 1.1x bf16 at the largest width measured (16)")
+    assert "FP8 speedup" in text and verdict in text, text
     keys = {m["name"] for m in json.loads(out.read_text())["measurements"]}
     assert {"fp8_mlp_d16_speedup", "fp8_mlp_d16_fp8_tflops", "fp8_pays_from_width"} <= keys
 

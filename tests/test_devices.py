@@ -191,6 +191,7 @@ RUN_ON_DEVICE = {
     "flops.measure_matmul_tflops", "flops.measure_bandwidth_gbs", "flops.measure_ceilings",
     "kernels.count_kernels", "ladder.Trainer", "ladder.tf32_exists", "ladder.ceiling_matmul_size",
     "ladder.measure_ceilings_tflops", "ladder.run_rung", "ladder.run_ladder",
+    "ladder.fp8_mlp_sweep",
     "memtools.record_memory", "profiling.profile_calls", "timing.cold_l2_benchmark",
     "timing.first_call", "timing.per_call_ms", "timing.BackgroundLoad", "loaders.time_loader",
     "training.lm_batch", "training.image_batch", "training.first_call_s",
