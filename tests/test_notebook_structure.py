@@ -196,8 +196,6 @@ CODE_LIMIT = 30_000
 #: Notebooks still above the limit, each with what stands in the way (issue 26). A notebook
 #: leaves this list when it fits; the test fails if one here fits already, or grows.
 ABOVE_THE_LIMIT = {
-    "02-mixed-precision/04_amp_end_to_end": (40_000, "the module's end-to-end experiment; a "
-                                             "split of its loss-curve sections is proposed"),
     "06-capstone/01_speedup_ladder": (65_000, "the ladder and its analysis; a second capstone "
                                       "notebook for the analysis is not designed yet"),
 }
