@@ -255,7 +255,7 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, world: in
     if device_type == "cuda" and not cuda:
         parser.error("--device cuda: this machine has no CUDA GPU (torch.cuda.is_available() "
                      "is False); use --device cpu")
-    preset = args.preset if args.preset != "auto" else ("gpt2" if device_type == "cuda" else "tiny")
+    preset = _preset(args, device_type)
     sizes = dict(PRESETS[preset])
     for key in ("n_layer", "n_head", "n_embd", "block_size", "n_words", "max_chars",
                 "batch_size"):
@@ -643,6 +643,11 @@ def kernel_breakdown(profile: StepProfile, flops: float, ceiling_tflops: float,
     return lines
 
 
+def _preset(args: argparse.Namespace, device_type: str) -> str:
+    """The preset a run uses: --preset, where ``auto`` is gpt2 on a GPU and tiny on a CPU."""
+    return args.preset if args.preset != "auto" else ("gpt2" if device_type == "cuda" else "tiny")
+
+
 def _device_type(args: argparse.Namespace) -> str:
     if args.device in ("cpu", "cuda"):
         return args.device
@@ -672,7 +677,7 @@ def benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list
     if not args.budget_s > 0:
         parser.error(f"--budget-s must be positive, got {args.budget_s}")
     device_type = _device_type(args)
-    preset = args.preset if args.preset != "auto" else ("gpt2" if device_type == "cuda" else "tiny")
+    preset = _preset(args, device_type)
     base_batch = args.batch_size or PRESETS[preset]["batch_size"]
     start = _STARTED
     unit_s = None  # the top rung's wall time: the unit of the runs' estimated costs
@@ -794,7 +799,8 @@ def print_benchmark_table(rows: list[dict], device_type: str, breakdown: bool = 
 
 def write_benchmark_ledger(args: argparse.Namespace, rows: list[dict]) -> Path:
     """--benchmark's figures as one ledger (``06-capstone/train_benchmark``)."""
-    ledger = utils.Ledger("06-capstone/train_benchmark", smoke=args.preset == "tiny",
+    ledger = utils.Ledger("06-capstone/train_benchmark",
+                          smoke=_preset(args, _device_type(args)) == "tiny",
                           env=utils.get_env(args.device), strict=False)
     ran = _ran(rows)
 
@@ -843,7 +849,7 @@ def fp8_sweep(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list
     except ValueError:
         parser.error(f"--fp8-sweep takes comma-separated widths, got {args.fp8_sweep!r}")
     device_type = _device_type(args)
-    preset = args.preset if args.preset != "auto" else ("gpt2" if device_type == "cuda" else "tiny")
+    preset = _preset(args, device_type)
     tokens = (args.batch_size or PRESETS[preset]["batch_size"]) * \
         (args.block_size or PRESETS[preset]["block_size"])
     if not widths or any(w < 16 or w % 16 for w in widths) or tokens % 16:

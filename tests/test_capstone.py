@@ -385,6 +385,7 @@ def test_benchmark_killed_at_a_time_limit_keeps_what_it_measured(tmp_path, monke
     assert "--- the table so far" in out and "150,000" in out
     led = utils.Ledger.load(tmp_path / "bench.json")
     assert led["tokens_per_s_top_rung_GPT2_vocabulary"] == 150_000
+    assert led.smoke, "--preset auto on a CPU runs the tiny preset: a smoke-size ledger"
     # the budget counts from the process's start: a process that already spent it runs only
     # the first two
     seen.clear()
