@@ -24,7 +24,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
             "resolve_smoke", "synchronize"),
     "timing": ("Timing", "SpeedupTable", "NoisyMeasurementWarning", "benchmark",
                "cold_l2_benchmark", "compare", "first_call", "break_even", "torch_threads",
-               "per_call_ms", "BackgroundLoad", "MachineLoad", "machine_load"),
+               "per_call_ms", "BackgroundLoad", "MachineLoad", "machine_load", "SectionClock"),
     "memory": ("MemoryResult", "MemoryBreakdown", "TensorMemoryTracker",
                "measure_peak_memory", "memory_breakdown", "tensor_bytes", "format_bytes"),
     "flops": ("FlopCount", "Ceilings", "RooflinePoint", "count_flops",

@@ -9,7 +9,10 @@ initial weights, the same batches, a loss curve over a fixed number of steps, th
 ms/step, items/s, peak memory and MFU against a measured matmul ceiling. Before each
 rung runs, :func:`predict_rung` can state its step time from the rung before it and the
 machine's measured costs (matmul ceilings, copy bandwidth, kernel-launch cost), so that
-the table shows the prediction beside the measurement.
+the table shows the prediction beside the measurement. The reporting functions
+(:func:`record_rungs`, :func:`verdict_lines`, :func:`prediction_table`,
+:func:`same_model_table`, :func:`speedup_report`, :func:`record_mfu_by_convention`, ...)
+turn the results into the tables, summaries and ledger records the capstone prints.
 
 The split of work between the runner and your code:
 
@@ -54,6 +57,7 @@ from .losses import chunked_linear_cross_entropy
 from .memory import format_bytes, measure_peak_memory, tensor_bytes
 from .models import CausalSelfAttention, GPTConfig, TinyGPT
 from .precision import tf32 as tf32_context
+from .sizes import format_table
 from .timing import benchmark
 from .training import first_call_s
 
@@ -103,6 +107,27 @@ __all__ = [
     "Verdict",
     "rung_verdicts",
     "plot_ladder",
+    "attention_inputs",
+    "attention_fwd_bwd",
+    "gpt_ladder_predictor",
+    "rung_key",
+    "rungs_table",
+    "record_flops_by_convention",
+    "record_rungs",
+    "verdict_lines",
+    "warmup_summary",
+    "memory_summary",
+    "prediction_table",
+    "realised_gains",
+    "matmul_arithmetic",
+    "loss_rel_diffs",
+    "same_model_table",
+    "mfu_by_convention",
+    "speedup_report",
+    "speedup_claim",
+    "worst_first_loss_by_arithmetic",
+    "record_mfu_by_convention",
+    "record_ceilings",
 ]
 
 AMP_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -1731,6 +1756,536 @@ def ladder_table(results: Sequence[RungResult],
             f"{_fmt(r.final_loss, '7.4f')}" + (f"  ({'; '.join(notes)})" if notes else ""))
         prev = r
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- a GPT's predictions
+
+def attention_inputs(cfg: TrainConfig, *, batch: int, n_head: int, seq_len: int, head_dim: int,
+                     device: str | torch.device | None = None,
+                     seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """``q, k, v`` (requiring gradients) and an output gradient for one layer's attention at
+    ``cfg``'s micro-batch (``batch // cfg.accum_steps`` sequences of ``batch`` per step), in
+    the dtype q, k and v have inside ``cfg``'s step (its autocast dtype, or fp32)."""
+    if batch % cfg.accum_steps:
+        raise ValueError(f"batch {batch} does not split into {cfg.accum_steps} micro-batches")
+    dev = pick_device(device)
+    gen = torch.Generator().manual_seed(seed)
+    shape = (batch // cfg.accum_steps, n_head, seq_len, head_dim)
+    q, k, v, g = (torch.randn(shape, generator=gen).to(dev, cfg.amp_dtype or torch.float32)
+                  for _ in range(4))
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), g
+
+
+def attention_fwd_bwd(cfg: TrainConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      g: torch.Tensor, sdpa: bool,
+                      backend: str | None = None) -> tuple[torch.Tensor, ...]:
+    """One layer's causal attention forward and backward as ``cfg``'s step computes it, under
+    its autocast: SDPA (only ``backend`` allowed, a name of :func:`utils.sdpa_backends`, if one
+    is given), or the hand-written ``softmax(QK^T / sqrt(d)) V`` of
+    :class:`HandwrittenCausalSelfAttention`. Returns ``(output, dq, dk, dv)``."""
+    if backend is not None and not sdpa:
+        raise ValueError("a backend is an SDPA backend: pass sdpa=True with it")
+    from .attention import sdpa_backends
+
+    if backend is not None:
+        from torch.nn.attention import sdpa_kernel
+
+        known = sdpa_backends()
+        if backend not in known:
+            raise ValueError(f"unknown SDPA backend {backend!r}: one of {', '.join(known)}")
+        allowed: Any = sdpa_kernel([known[backend]])
+    else:
+        allowed = contextlib.nullcontext()
+    with torch.autocast(q.device.type, dtype=cfg.amp_dtype or torch.bfloat16,
+                        enabled=cfg.amp_dtype is not None), allowed:
+        if sdpa:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            t = q.size(-2)
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
+            causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+            out = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1) @ v
+    return (out, *torch.autograd.grad(out, (q, k, v), g.to(out.dtype)))
+
+
+def gpt_ladder_predictor(gpt_cfg: GPTConfig, *, batch: int, flops_per_step: float,
+                         ceilings: Mapping[str, float], copy_gbs: float | None = None,
+                         launch_us: float | None = None, n_params: int | None = None,
+                         device: str | torch.device | None = None,
+                         min_run_time_s: float = 0.1) -> Callable[..., Prediction | None]:
+    """:func:`run_ladder`'s ``predict`` for a :class:`utils.TinyGPT` ladder: :func:`predict_rung`
+    with the machine's measured costs, and what only the model's shapes give:
+
+    * for a rung that changes only ``sdpa``, ``attention_swap_ms``: the two attentions
+      (:func:`attention_fwd_bwd`) timed alone at the rung's micro-batch and arithmetic, their
+      difference times the layers and the micro-batches of a step;
+    * for a rung that changes only ``vocab_multiple``, ``extra_flops_per_step``: the head's three
+      matmuls over the extra rows, ``6 x rows x d x tokens``.
+
+    Args:
+        gpt_cfg: the model's config (its ``block_size`` is the sequence length of a batch).
+        batch: sequences per optimizer step.
+        flops_per_step, ceilings, copy_gbs, launch_us, n_params: as for :func:`predict_rung`.
+        min_run_time_s: each attention timing's ``utils.benchmark`` run time.
+    """
+    tokens = batch * gpt_cfg.block_size
+    head_dim = gpt_cfg.n_embd // gpt_cfg.n_head
+
+    def predict(rung: Rung, cfg: TrainConfig, prev: RungResult | None) -> Prediction | None:
+        extra: dict[str, float] = {}
+        changed = set(cfg.changes_from(prev.config)) if prev is not None else set()
+        if changed == {"sdpa"}:
+            qkvg = attention_inputs(cfg, batch=batch, n_head=gpt_cfg.n_head,
+                                    seq_len=gpt_cfg.block_size, head_dim=head_dim, device=device)
+            with tf32_context(cfg.tf32):
+                ms = {s: benchmark(attention_fwd_bwd, cfg, *qkvg, s, device=device,
+                                   min_run_time_s=min_run_time_s, warn_if_noisy=False).median_ms
+                      for s in (False, True)}
+            extra["attention_swap_ms"] = ((ms[prev.config.sdpa] - ms[cfg.sdpa])
+                                          * gpt_cfg.n_layer * cfg.accum_steps)
+        if changed == {"vocab_multiple"}:
+            v = gpt_cfg.vocab_size
+            rows = padded_size(v, cfg.vocab_multiple) - padded_size(v, prev.config.vocab_multiple)
+            extra["extra_flops_per_step"] = 6 * rows * gpt_cfg.n_embd * tokens
+        return predict_rung(cfg, prev, flops_per_step=flops_per_step, ceilings=ceilings,
+                            copy_gbs=copy_gbs, launch_us=launch_us, n_params=n_params, **extra)
+
+    return predict
+
+
+# ----------------------------------------------------------------------------- reporting a ladder
+
+def rung_key(name: str) -> str:
+    """The ledger key of a rung's name: lower case, each run of other characters one ``_``
+    (``"bf16 autocast"`` -> ``"bf16_autocast"``, ``"vocab padded to 128"`` ->
+    ``"vocab_padded_to_128"``)."""
+    key = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+    if not key:
+        raise ValueError(f"a rung's name needs a letter or a digit, got {name!r}")
+    return key
+
+
+def _ran(results: Sequence[RungResult]) -> list[RungResult]:
+    if not results or not results[0].ran:
+        raise ValueError("the results need a baseline (their first rung) that ran")
+    return [r for r in results if r.ran]
+
+
+def rungs_table(rungs: Sequence[Rung], base: TrainConfig) -> str:
+    """The ladder before it runs: per rung its name, ``--rung`` key, the :class:`TrainConfig`
+    fields it changes and what it does (``[needs CUDA]`` where it runs on CUDA only), then the
+    bottom and top rungs' settings and the top rung's ``train.py`` flags."""
+    rows: list[list[Any]] = [["rung", "--rung key", "TrainConfig change", "what it does"]]
+    cfg = base
+    for rung in rungs:
+        cfg = rung.apply(cfg)
+        changes = ", ".join(f"{k}={v}" for k, v in dict(rung.changes).items()) or "(the baseline)"
+        rows.append([rung.name, rung.key, changes,
+                     rung.why + ("  [needs CUDA]" if rung.needs_cuda else "")])
+    return (format_table(rows, header_rule=True)
+            + f"\n\nbottom rung: {base.describe()}\ntop rung   : {cfg.describe()}"
+            + f"\ntrain.py flags of the top rung: {' '.join(cfg.to_flags())}")
+
+
+def record_flops_by_convention(ledger: Any, flops: Any, *, tokens_per_step: int,
+                               counted: float | None = None) -> str:
+    """A step's FLOPs in every convention of :data:`utils.flops.GPT_FLOP_CONVENTIONS`, recorded
+    as ``flops_per_step[<convention>]``, beside the ``counted`` FLOPs (if given) and the
+    hardware FLOPs with the hand-written attention (the full ``T x T``, masked) and with a
+    causal, flash-style kernel that recomputes the scores in backward (with ``flops``'s padded
+    vocabulary); returns the table, in GFLOP per step."""
+    from .flops import GPT_FLOP_CONVENTIONS
+
+    full = flops.per_token("6N+attn") * tokens_per_step
+    rows: list[list[Any]] = [["FLOPs", "GFLOP/step", "what"]]
+    for conv, what in GPT_FLOP_CONVENTIONS.items():
+        per_step = tokens_per_step * flops.per_token(conv)
+        rows.append([conv, per_step / 1e9, what])
+        ledger.record(f"flops_per_step[{conv}]", per_step, "FLOP", note=what)
+    if counted is not None:
+        rows.append(["counted", counted / 1e9, f"utils.count_flops: {1 - counted / full:.2%} "
+                                               "below 6N+attn"])
+    unpadded = dataclasses.replace(flops, padded_vocab=flops.vocab_size)
+    rows.append(["hardware", tokens_per_step * unpadded.hardware_per_token(causal_kernel=False)
+                 / 1e9, "hand-written attention (the full T x T, masked)"])
+    rows.append(["hardware", tokens_per_step * flops.hardware_per_token(
+        causal_kernel=True, attention_recompute=True) / 1e9,
+        f"causal flash-style kernel, scores recomputed in backward, "
+        f"{flops.padded_vocab} head rows"])
+    return format_table(rows, header_rule=True, floatfmt=",.4g")
+
+
+def record_rungs(ledger: Any, results: Sequence[RungResult], *, convention: str,
+                 datasheet: Mapping[str, float | None] | None = None,
+                 device_name: str = "") -> None:
+    """Record every rung that ran in ``ledger`` under :func:`rung_key` of its name.
+
+    Per rung ``k``: ``k_ms_per_step`` (noting the SDPA backend that ran),
+    ``k_predicted_ms_per_step`` (with a prediction), ``k_<item>s_per_s``,
+    ``k_speedup_vs_fp32`` (over the first rung, the baseline), ``k_mfu`` (against the rung's
+    own measured ceiling), ``k_mfu_vs_datasheet`` (where ``datasheet`` has the rung's matmul
+    kind), ``k_warmup_s`` and ``k_peak_bytes`` (where measured). ``convention`` names the FLOP
+    count in the MFUs' notes; ``device_name`` the GPU in the datasheet's.
+    """
+    base = _ran(results)[0]
+    sheet = {k: v for k, v in (datasheet or {}).items() if v}
+    for r in _ran(results):
+        k = rung_key(r.name)
+        ledger.record(f"{k}_ms_per_step", r.median_ms, "ms",
+                      note=f"SDPA ran {r.sdpa_backend}" if r.sdpa_backend else "")
+        p = r.prediction
+        if p is not None:
+            ledger.record(f"{k}_predicted_ms_per_step", p.ms, "ms",
+                          note=f"stated before the rung ran{', a lower bound' if p.bound else ''}: "
+                               f"{p.model}, {p.formula}")
+        ledger.record(f"{k}_{r.item_name}s_per_s", r.items_per_s, f"{r.item_name}s/s")
+        ledger.record(f"{k}_speedup_vs_fp32", base.median_ms / r.median_ms, "x")
+        ledger.record(f"{k}_mfu", r.mfu, "fraction",
+                      note=f"{convention} FLOPs / the {r.ceiling_kind} matmul ceiling "
+                           "measured here")
+        peak = sheet.get(r.ceiling_kind)
+        if peak:
+            ledger.record(f"{k}_mfu_vs_datasheet", r.mfu_against(peak), "fraction",
+                          note=f"{convention} FLOPs / the datasheet's dense {r.ceiling_kind} peak, "
+                               f"{peak:g} TFLOP/s ({device_name})")
+        if r.warmup_s is not None:
+            ledger.record(f"{k}_warmup_s", r.warmup_s, "s")
+        if r.peak_bytes is not None:
+            ledger.record(f"{k}_peak_bytes", r.peak_bytes, "bytes")
+
+
+def verdict_lines(results: Sequence[RungResult], verdicts: Sequence[Verdict]) -> list[str]:
+    """One line per rung after the baseline: its factor over the rung before it and its
+    :class:`Verdict` with the band, why a no-op is one, or why a rung did not run."""
+    if len(results) != len(verdicts):
+        raise ValueError(f"{len(results)} results but {len(verdicts)} verdicts")
+    lines: list[str] = []
+    prev: RungResult | None = None
+    for r, v in zip(results, verdicts):
+        if not r.ran:
+            after = f"; the next rung builds on {prev.name!r}" if prev is not None else ""
+            lines.append(f"{r.name:<27} not run here ({r.skipped_reason}){after}")
+            continue
+        if v.factor is not None and prev is not None:
+            line = (f"{r.name:<27} x{v.factor:.2f} over {prev.name!r}: {v.verdict} "
+                    f"(band {v.band:.0%})")
+            if v.verdict == "no-op here":
+                line += f": {r.noop_reason}, so x{v.factor:.2f} is two timings of the same step"
+            lines.append(line)
+        prev = r
+    return lines
+
+
+def warmup_summary(results: Sequence[RungResult], wall_s: float) -> str:
+    """What the compiled rungs' first steps (compilation included) took of the ladder's
+    ``wall_s`` seconds, and per compiled rung its warm-up and the FX graphs Inductor loaded
+    from its on-disk cache (where counted)."""
+    compiled = [r for r in results if r.ran and r.config.compile]
+    warm = sum(r.warmup_s or 0.0 for r in compiled)
+    text = (f"compiled rungs: {len(compiled)}, their first steps (compile included) took "
+            f"{warm:.0f} s of the ladder's {wall_s:.0f} s")
+    hits = [r.fx_cache_hits for r in compiled]
+    if compiled and None not in hits:
+        text += ("\nper compiled rung, warm-up and the FX graphs (forward, backward) loaded from "
+                 "Inductor's on-disk cache: "
+                 + "; ".join(f"{r.name}: {_fmt(r.warmup_s, '.1f')} s, {r.fx_cache_hits} hit(s)"
+                             for r in compiled))
+    return text
+
+
+def memory_summary(results: Sequence[RungResult]) -> str:
+    """The largest drop and the largest rise of peak memory from one measured rung to the next
+    (saying how many of the rungs that ran were measured, where not all were), or ``""`` with
+    fewer than two measured rungs."""
+    ran = [r for r in results if r.ran]
+    mem = [r for r in ran if r.peak_bytes]
+    moves = [(b.peak_bytes / a.peak_bytes - 1, b.name) for a, b in zip(mem, mem[1:])]
+    if not moves:
+        return ""
+    (down, d_name), (up, u_name) = min(moves), max(moves)
+    return (f"peak memory, rung over the rung before it: largest drop {down:+.0%} ({d_name}), "
+            f"largest rise {up:+.0%} ({u_name})"
+            + (f"; measured for {len(mem)} of the {len(ran)} rungs that ran" if len(mem) < len(ran)
+               else ""))
+
+
+def prediction_table(results: Sequence[RungResult]) -> str:
+    """Each rung's prediction (stated before it ran) beside its measurement, then each model's
+    formula with this machine's numbers. ``>=`` marks a bound."""
+    rows: list[list[Any]] = [["rung", "model", "predicted ms", "measured ms", "measured/pred"]]
+    for r in _ran(results):
+        p = r.prediction
+        if p is None:
+            rows.append([r.name, "(no model input)", "-", r.median_ms, None])
+        else:
+            rows.append([r.name, p.model, ("" if not p.bound else ">=") + f"{p.ms:.2f}",
+                         r.median_ms, r.median_ms / p.ms])
+    text = format_table(rows, header_rule=True, floatfmt=".2f")
+    formulas = [f"  {r.name}: {r.prediction.formula}" for r in results
+                if r.ran and r.prediction is not None]
+    if formulas:
+        text += "\n\nthe models, with this machine's numbers (ms per optimizer step):\n"
+        text += "\n".join(formulas)
+    return text
+
+
+def realised_gains(rungs: Sequence[Rung], results: Sequence[RungResult],
+                   keys: Sequence[str] = ("tf32", "amp", "sdpa"),
+                   min_gain: float = 0.1, ledger: Any = None) -> dict[str, float]:
+    """(measured gain) / (predicted gain) over the rung before, for the rungs whose
+    :attr:`Rung.key` is in ``keys`` and whose predicted gain is at least ``min_gain`` of the
+    rung before's step time (a smaller gain drowns in the noise). Keyed by rung name; with a
+    ``ledger``, each is recorded as ``<rung_key(name)>_predicted_gain_realised``.
+
+    ``rungs`` and ``results`` go together, one result per rung (:func:`run_ladder`'s order).
+    """
+    if len(rungs) != len(results):
+        raise ValueError(f"{len(rungs)} rungs but {len(results)} results")
+    out: dict[str, float] = {}
+    prev: RungResult | None = None
+    for rung, r in zip(rungs, results):
+        if not r.ran:
+            continue
+        p = r.prediction
+        if p is not None and prev is not None and rung.key in keys:
+            gain = prev.median_ms - p.ms
+            if gain >= min_gain * prev.median_ms and gain > 0:
+                out[r.name] = (prev.median_ms - r.median_ms) / gain
+                if ledger is not None:
+                    ledger.record(f"{rung_key(r.name)}_predicted_gain_realised", out[r.name],
+                                  "fraction", note="(measured gain) / (predicted gain) over the "
+                                                   "rung before")
+        prev = r
+    return out
+
+
+def matmul_arithmetic(result: RungResult, device: str | torch.device | None = None) -> str:
+    """What a rung's matmuls compute in: its ceiling kind (``"fp32"``, ``"tf32"``, ``"bf16"``,
+    ``"fp16"``), with TF32 as ``"fp32"`` on a device that has no TF32."""
+    kind = result.config.ceiling_kind
+    return "fp32" if kind == "tf32" and not tf32_exists(device) else kind
+
+
+def loss_rel_diffs(results: Sequence[RungResult]) -> tuple[dict[str, float], dict[str, float]]:
+    """Per rung that ran: ``|first loss - the baseline's| / the baseline's`` and the same for
+    the final loss (the mean of the last ``loss_window`` steps), keyed by rung name."""
+    ran = _ran(results)
+    base = ran[0]
+    if not base.losses:
+        raise ValueError("the baseline has no loss curve")
+    first = {r.name: abs(r.first_loss - base.first_loss) / base.first_loss for r in ran}
+    final = {r.name: abs(r.final_loss - base.final_loss) / base.final_loss for r in ran}
+    return first, final
+
+
+def same_model_table(results: Sequence[RungResult], first_tol: Mapping[str, float], *,
+                     loss_tol: float, device: str | torch.device | None = None) -> str:
+    """Each rung's first and final loss against the baseline's (the first rung), with the
+    tolerances they are held to, and the worst single step (shown, not checked); the columns
+    explained above the table. ``first_tol`` maps a matmul arithmetic
+    (:func:`matmul_arithmetic`) to the first loss's relative tolerance."""
+    first, final = loss_rel_diffs(results)
+    ran = _ran(results)
+    ref = torch.tensor(ran[0].losses)
+    window = ran[0].loss_window
+    rows: list[list[Any]] = [["rung", "matmuls", "first loss", "rel diff", "tolerance",
+                              "final loss", "rel diff", "worst step"]]
+    for r in ran:
+        kind = matmul_arithmetic(r, device)
+        if kind not in first_tol:
+            raise ValueError(f"first_tol has no tolerance for {kind!r} ({r.name})")
+        c = torch.tensor(r.losses)
+        n = min(len(c), len(ref))
+        worst = ((c[:n] - ref[:n]).abs() / ref[:n]).max().item()
+        rows.append([r.name, kind, f"{r.first_loss:.5f}", f"{first[r.name]:.1e}",
+                     f"{first_tol[kind]:.0e}", f"{r.final_loss:.4f}", f"{final[r.name]:.2%}",
+                     f"{worst:.2%}"])
+    legend = ("the columns: matmuls, the arithmetic of the rung's matmuls; first loss, step 1's "
+              "loss (initial weights, batch 0);\n  rel diff, |this rung's - the baseline's| / the "
+              "baseline's, first against the tolerance for the rung's matmuls, then the final "
+              f"loss's against {loss_tol:.0%};\n  final loss, the mean of the last {window} steps; "
+              "worst step, the largest relative difference at any one step (shown, not checked)")
+    return legend + "\n\n" + format_table(rows, header_rule=True)
+
+
+def record_mfu_by_convention(ledger: Any, result: RungResult, flops: Any, *,
+                             tokens_per_step: int, ceilings: Mapping[str, float],
+                             datasheet: Mapping[str, float | None] | None = None,
+                             device_name: str = "", fused_attention: bool = False,
+                             prefix: str = "best_rung") -> str:
+    """:func:`mfu_by_convention` for ``result`` against its own matmul kind's ceiling (and the
+    datasheet's peak for that kind, where known), recorded in ``ledger`` as
+    ``<prefix>_mfu[<convention>]``, ``<prefix>_mfu_vs_datasheet[<convention>]`` and
+    ``<prefix>_hfu`` (hardware FLOPs over the measured ceiling); returns the table."""
+    kind = result.config.ceiling_kind
+    if kind not in ceilings:
+        raise ValueError(f"no {kind!r} ceiling in {sorted(ceilings)}")
+    peak = (datasheet or {}).get(kind) or None
+    mfus = mfu_by_convention(result, flops, tokens_per_step=tokens_per_step,
+                             ceiling_tflops=ceilings[kind], peak_tflops=peak,
+                             fused_attention=fused_attention)
+    for conv, (_, vs_ceiling, vs_peak) in mfus.items():
+        what = f"{result.name}, {conv} FLOPs"
+        ledger.record(f"{prefix}_hfu" if conv == "hardware" else f"{prefix}_mfu[{conv}]",
+                      vs_ceiling, "fraction", note=f"{what} / the {kind} ceiling measured here")
+        if vs_peak is not None and conv != "hardware":
+            ledger.record(f"{prefix}_mfu_vs_datasheet[{conv}]", vs_peak, "fraction",
+                          note=f"{what} / {peak:g} TFLOP/s dense {kind} ({device_name})")
+    rows: list[list[Any]] = [["FLOPs", "TFLOP/s", f"of the {kind} ceiling", "of the datasheet's"]]
+    rows += [[conv, tf, f"{m:.1%}", None if s is None else f"{s:.1%}"]
+             for conv, (tf, m, s) in mfus.items()]
+    attention = ("causal, scores recomputed in backward" if fused_attention
+                 else "over the full T x T")
+    return (format_table(rows, header_rule=True)
+            + f"\n(hardware: what the device executed, attention {attention}, "
+              f"{flops.padded_vocab} head rows)")
+
+
+def record_ceilings(ledger: Any, ceilings: Mapping[str, float], *, how: str,
+                    datasheet: Mapping[str, float | None] | None = None,
+                    device_name: str = "", device: str | torch.device | None = None) -> str:
+    """Record each measured matmul ceiling as ``ceiling_<kind>_tflops`` (noting ``how`` it was
+    measured) and return one line per kind, with the datasheet's dense peak beside it where
+    ``datasheet`` knows one (or a line saying MFU is against the measured ceilings only), and
+    a line saying so where ``device`` has no TF32 (its tf32 ceiling is the fp32 one)."""
+    sheet = {k: v for k, v in (datasheet or {}).items() if v}
+    lines = []
+    for kind, tflops in ceilings.items():
+        peak = sheet.get(kind)
+        lines.append(f"{kind:<5} matmul ceiling, measured on this machine ({how}): "
+                     f"{tflops:8.3g} TFLOP/s"
+                     + (f"; datasheet dense peak {peak:g} ({tflops / peak:.0%} of it)" if peak
+                        else ""))
+        ledger.record(f"ceiling_{kind}_tflops", tflops, "TFLOP/s", note=f"measured, {how}")
+    if not sheet:
+        lines.append(f"no datasheet peak for {device_name or 'a CPU'} in utils.DATASHEET_TFLOPS: "
+                     "MFU is against the measured ceilings only")
+    if "tf32" in ceilings and not tf32_exists(device):
+        lines.append("This device has no TF32: the tf32 ceiling is the fp32 one (the same matmul, "
+                     "measured once), and the TF32 rung runs the baseline's matmuls.")
+    return "\n".join(lines)
+
+
+def speedup_report(best: RungResult, baseline: RungResult, ceilings: Mapping[str, float], *,
+                   reference_kind: str, flops_label: str = "",
+                   targets: Sequence[float] = (10, 6),
+                   device: str | torch.device | None = None) -> str:
+    """The best rung against the baseline, in words: its throughput and speedup, its MFU and the
+    baseline's (:func:`utils.mfu_report`: the measured ceiling and, on a GPU the course knows,
+    the datasheet's peak), the speedup factored into (ceiling ratio) x (MFU ratio), and the MFU
+    against the ``reference_kind`` ceiling that each speedup in ``targets`` would need at the
+    baseline's MFU. Every rung does the same FLOPs, so the factorisation is exact."""
+    from .flops import mfu_report
+
+    for r in (best, baseline):
+        if not r.ran or not r.median_ms:
+            raise ValueError(f"{r.name!r} did not run")
+    kind, base_kind = best.config.ceiling_kind, baseline.config.ceiling_kind
+    missing = {kind, base_kind, reference_kind} - set(ceilings)
+    if missing:
+        raise ValueError(f"no ceiling for {sorted(missing)} in {sorted(ceilings)}")
+    unit = f"{best.item_name}s/s"
+    speedup = baseline.median_ms / best.median_ms
+    lines = [f"best rung: {best.name} ({best.config.describe()})"
+             + (f"; SDPA ran {best.sdpa_backend}" if best.sdpa_backend else ""),
+             f"  {best.items_per_s:,.0f} {unit}, {speedup:.2f}x {baseline.name}'s "
+             f"{baseline.items_per_s:,.0f}"]
+    if flops_label:
+        lines.append(f"  FLOPs: {flops_label}")
+    lines.append("  best rung MFU: " + str(mfu_report(best.flops_per_step, best.median_ms / 1e3,
+                                                      ceilings[kind], kind, device)))
+    ref_mfu = best.mfu_against(ceilings[reference_kind])
+    if kind != reference_kind:
+        lines.append(f"  against the {reference_kind} ceiling: {ref_mfu:.1%}")
+    lines.append("  baseline MFU : " + str(mfu_report(
+        baseline.flops_per_step, baseline.median_ms / 1e3, ceilings[base_kind], base_kind, device)))
+    ceil_factor = ceilings[kind] / ceilings[base_kind]
+    mfu_factor = best.mfu / baseline.mfu
+    ratio = ceilings[reference_kind] / ceilings[base_kind]
+    need = ", ".join(f"{t:g}x at {t * baseline.mfu / ratio:.0%}" for t in targets)
+    lines += ["", f"speedup = ceiling ratio x MFU ratio = {ceil_factor:.2f} x {mfu_factor:.2f} = "
+                  f"{ceil_factor * mfu_factor:.2f}",
+              f"measured {reference_kind} / {base_kind} ceiling ratio: {ratio:.1f}x; at the "
+              "baseline's "
+              f"MFU ({baseline.mfu:.0%} of its ceiling), the best rung needs, against the "
+              f"{reference_kind} ceiling: {need} (measured: {ref_mfu:.0%})"]
+    return "\n".join(lines)
+
+
+def speedup_claim(*, is_cuda: bool, bf16_gpu: bool, compute_capability: tuple[int, int] | None,
+                  ceiling_ratio: float, amp: str = "bf16") -> tuple[float, bool, str]:
+    """The threshold of the claim "the best rung's tokens/s over fp32 eager's", and whether it
+    applies here, gated on the **measured** ``amp`` / fp32 matmul ceiling ratio (the speedup is
+    that ratio times an MFU ratio, so a GPU whose 16-bit tensor cores are a few times its fp32
+    rate cannot reach it): 10x on an sm90+ GPU where the ratio is at least 12 (H100-class), 6x on
+    an sm80+ GPU (``bf16_gpu``) where it is at least 8; elsewhere recorded only.
+
+    Returns:
+        ``(threshold, applies, reason)``; ``reason`` says why the claim does not apply ("" where
+        it does).
+    """
+    if not ceiling_ratio > 0:
+        raise ValueError(f"ceiling_ratio must be positive, got {ceiling_ratio!r}")
+    if not (is_cuda and bf16_gpu):
+        return 10.0, False, ("a claim about sm80+ GPUs (bf16 tensor cores), recorded only; this "
+                             "machine " + ("has an older GPU" if is_cuda else "has no GPU"))
+    if (compute_capability or (0, 0)) >= (9, 0) and ceiling_ratio >= 12:
+        return 10.0, True, ""
+    if ceiling_ratio >= 8:
+        return 6.0, True, ""
+    return 6.0, False, (f"this GPU's measured {amp}/fp32 ceiling ratio is {ceiling_ratio:.1f} "
+                        f"(below 8): 6x would need the best rung's MFU at "
+                        f"{6 / ceiling_ratio:.1f}x the baseline's; recorded only")
+
+
+def worst_first_loss_by_arithmetic(results: Sequence[RungResult],
+                                   device: str | torch.device | None = None
+                                   ) -> dict[str, tuple[str, float]]:
+    """For each matmul arithmetic (:func:`matmul_arithmetic`) among the rungs after the
+    baseline: the rung whose first loss is furthest from the baseline's, and that relative
+    difference, ``{arithmetic: (rung name, difference)}`` in ladder order."""
+    first, _ = loss_rel_diffs(results)
+    out: dict[str, tuple[str, float]] = {}
+    for r in _ran(results)[1:]:
+        kind = matmul_arithmetic(r, device)
+        if kind not in out or first[r.name] > out[kind][1]:
+            out[kind] = (r.name, first[r.name])
+    return out
+
+
+def mfu_by_convention(result: RungResult, flops: Any, *, tokens_per_step: int,
+                      ceiling_tflops: float, peak_tflops: float | None = None,
+                      fused_attention: bool = False
+                      ) -> dict[str, tuple[float, float, float | None]]:
+    """A rung's FLOP/s in every convention of :data:`utils.flops.GPT_FLOP_CONVENTIONS`, and its
+    hardware FLOP/s (``"hardware"``: what the device executed, padded rows and, with
+    ``fused_attention``, a causal kernel that recomputes the scores in backward).
+
+    Args:
+        result: the rung (its median step time).
+        flops: :func:`utils.flops.gpt_flops` of the model, with the rung's padded vocabulary.
+        tokens_per_step: tokens of one optimizer step.
+        ceiling_tflops: the measured ceiling of the rung's matmul kind.
+        peak_tflops: the datasheet's dense peak for that kind, or ``None``.
+
+    Returns:
+        ``{convention: (TFLOP/s, share of the ceiling, share of the peak or None)}``.
+    """
+    from .flops import GPT_FLOP_CONVENTIONS
+
+    if not result.ran or not result.median_ms:
+        raise ValueError(f"{result.name!r} did not run: it has no FLOP/s")
+    if not ceiling_tflops > 0:
+        raise ValueError(f"ceiling_tflops must be positive, got {ceiling_tflops!r}")
+    step_s = result.median_ms / 1e3
+    per_token = {c: flops.per_token(c) for c in GPT_FLOP_CONVENTIONS}
+    per_token["hardware"] = flops.hardware_per_token(causal_kernel=fused_attention,
+                                                     attention_recompute=fused_attention)
+    out = {}
+    for conv, ft in per_token.items():
+        tf = tokens_per_step * ft / step_s / 1e12
+        out[conv] = (tf, tf / ceiling_tflops, tf / peak_tflops if peak_tflops else None)
+    return out
 
 
 GAIN_COLOR, FLAT_COLOR, LOSS_COLOR, SKIP_COLOR = "#2ca02c", "#8c8c8c", "#d62728", "#ffffff"

@@ -46,6 +46,7 @@ from .env import pick_device, synchronize
 
 __all__ = [
     "NoisyMeasurementWarning",
+    "SectionClock",
     "Timing",
     "SpeedupRow",
     "SpeedupTable",
@@ -601,3 +602,59 @@ def break_even(one_off_s: float, before: Timing | float, after: Timing | float) 
             raise ValueError(f"{name} must be a positive time per call (ms), got {ms!r}")
     saved_ms = per_call[0] - per_call[1]
     return one_off_s * 1e3 / saved_ms if saved_ms > 0 else math.inf
+
+
+class SectionClock:
+    """Wall time per section of a notebook, for a run that has a time budget.
+
+    ``lap(section)`` books the time since the previous lap (or since the clock started) to
+    ``section``; booking the same section twice adds up. Example::
+
+        CLOCK = utils.SectionClock()
+        ...                              # section 1
+        CLOCK.lap("1. data")
+        ...
+        print(CLOCK.report(budget_s=600))
+        CLOCK.record(ledger)             # section_wall_s_1_data, ..., notebook_wall_s
+    """
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self._last = self.start
+        self.seconds: dict[str, float] = {}
+
+    def lap(self, section: str) -> float:
+        """Book the wall time since the last lap to ``section``; returns the seconds booked."""
+        if not section or not isinstance(section, str):
+            raise ValueError(f"a section needs a name, got {section!r}")
+        now = time.perf_counter()
+        booked = now - self._last
+        self.seconds[section] = self.seconds.get(section, 0.0) + booked
+        self._last = now
+        return booked
+
+    @property
+    def total_s(self) -> float:
+        """Seconds from the clock's start to the last lap."""
+        return self._last - self.start
+
+    def report(self, budget_s: float | None = None) -> str:
+        """Each section's seconds, the total, and (with ``budget_s``) whether it is within it."""
+        text = ("wall time per section: "
+                + ", ".join(f"{k} {v:.0f} s" for k, v in self.seconds.items())
+                + f"\nin all {self.total_s:.0f} s from the clock's start to the last lap")
+        if budget_s is not None:
+            text += (f", against a budget of {budget_s:g} s "
+                     f"({'within' if self.total_s <= budget_s else 'OVER'} it)")
+        return text
+
+    def record(self, ledger: Any, prefix: str = "section_wall_s_",
+               total: str = "notebook_wall_s") -> None:
+        """Record each section as ``<prefix><key>`` (the section's name in lower case, each run of
+        other characters one ``_``) and the total as ``total``, in seconds."""
+        import re
+
+        for section, seconds in self.seconds.items():
+            key = re.sub(r"[^a-z0-9]+", "_", section.lower()).strip("_")
+            ledger.record(f"{prefix}{key}", seconds, "s", note=section)
+        ledger.record(total, self.total_s, "s", note="from the clock's start to the last lap")
