@@ -83,3 +83,29 @@ def test_backend_of_a_kernel_name(name, backend):
     from utils.attention import backend_of_kernel
 
     assert backend_of_kernel(name) == backend
+
+
+def test_random_qkv_is_the_same_draw_in_every_dtype():
+    q, k, v = utils.random_qkv(2, 3, 5, 4, device="cpu", seed=1)
+    assert q.shape == k.shape == v.shape == (2, 3, 5, 4) and q.dtype == torch.float32
+    assert not q.requires_grad and not torch.equal(q, k)       # three draws, not one
+    q16, _, _ = utils.random_qkv(2, 3, 5, 4, device="cpu", dtype=torch.bfloat16,
+                                 requires_grad=True, seed=1)
+    assert q16.dtype == torch.bfloat16 and q16.requires_grad and q16.is_leaf
+    torch.testing.assert_close(q16.float(), q, **utils.tolerance(torch.bfloat16, "cpu").kwargs())
+    assert not torch.equal(utils.random_qkv(2, 3, 5, 4, device="cpu", seed=2)[0], q)
+
+
+def test_attention_step_runs_backward_from_fresh_gradients():
+    q, k, v = utils.random_qkv(1, 2, 8, 4, device="cpu", requires_grad=True)
+    grad_out = torch.randn_like(q)
+    run = utils.attention_step(lambda a, b, c: F.scaled_dot_product_attention(a, b, c))
+    run(q, k, v, grad_out)
+    first = [t.grad.clone() for t in (q, k, v)]
+    run(q, k, v, grad_out)                  # a second step replaces the gradients, not adds
+    for t, g in zip((q, k, v), first):
+        assert torch.equal(t.grad, g)
+    ref = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    F.scaled_dot_product_attention(*ref).backward(grad_out)
+    for t, r in zip((q, k, v), ref):
+        torch.testing.assert_close(t.grad, r.grad)

@@ -197,7 +197,7 @@ RUN_ON_DEVICE = {
     "memtools.record_memory", "profiling.profile_calls", "timing.cold_l2_benchmark",
     "timing.first_call", "timing.per_call_ms", "timing.BackgroundLoad", "loaders.time_loader",
     "training.lm_batch", "training.image_batch", "training.first_call_s",
-    "attention.sdpa_backend_used", "cli.native_bf16",
+    "attention.sdpa_backend_used", "attention.random_qkv", "cli.native_bf16",
 }
 # Result records and helpers that hold a device's name but pass it to no CUDA API.
 RECORDS = {"attention.SDPARun", "cli.resolve_size", "cli.size_tier", "amp.TimeBreakdown", "distributed.WorkerInfo", "env.EnvInfo", "env.pick_device",

@@ -56,7 +56,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "kernels": ("ByteCount", "KernelCount", "count_bytes", "count_kernels",
                 "enable_cpu_kernel_profile", "kernel_names", "kernel_source"),
     "attention": ("BackendStatus", "sdpa_backend_status", "sdpa_backends", "SDPARun",
-                  "sdpa_backend_used"),
+                  "sdpa_backend_used", "random_qkv", "attention_step"),
     "ledger": ("Ledger", "Record", "Expectation", "ExpectationNotMet", "results_dir"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}

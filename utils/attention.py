@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["BackendStatus", "sdpa_backends", "sdpa_backend_status", "SDPA_BACKEND_OPS",
-           "backend_of_kernel", "SDPARun", "sdpa_backend_used"]
+           "backend_of_kernel", "SDPARun", "sdpa_backend_used", "random_qkv", "attention_step"]
 
 # SDPBackend members that are not kernels one can force.
 _NOT_KERNELS = ("ERROR", "OVERRIDEABLE")
@@ -205,3 +205,30 @@ def sdpa_backend_used(fn: Any, *args: Any, device: str | torch.device | None = N
                 if backend not in seen:
                     seen.append(backend)
     return SDPARun(tuple(seen), tuple(kernels), str(traced.device))
+
+
+def random_qkv(batch: int, heads: int, seq: int, head_dim: int, *,
+               device: str | torch.device | None = None, dtype: torch.dtype = torch.float32,
+               requires_grad: bool = False, seed: int = 0) -> list[torch.Tensor]:
+    """Queries, keys and values of shape ``(batch, heads, seq, head_dim)``: drawn in float32 on
+    the CPU from ``seed`` (the same values on every device and in every dtype, up to rounding),
+    then moved to ``device`` (default :func:`utils.pick_device`) and ``dtype``, as leaves that
+    need a gradient when ``requires_grad``."""
+    from .env import pick_device
+
+    dev = pick_device(device)
+    gen = torch.Generator().manual_seed(seed)
+    shape = (batch, heads, seq, head_dim)
+    return [torch.randn(shape, generator=gen).to(dev, dtype).requires_grad_(requires_grad)
+            for _ in range(3)]
+
+
+def attention_step(attn: Any) -> Any:
+    """A training step of attention alone, to time or measure: ``run(q, k, v, grad_out)``
+    clears the three inputs' gradients, runs ``attn(q, k, v)`` forward, then backward from
+    ``grad_out``."""
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor) -> None:
+        for t in (q, k, v):
+            t.grad = None
+        attn(q, k, v).backward(grad_out)
+    return run
