@@ -39,7 +39,7 @@ def _nb(relpath: str, *shows: str):
 # bars run only on a GPU). One notebook per module, chosen for what it shows and for its
 # speed at smoke size on a 2-core CPU.
 NOTEBOOKS = [
-    _nb("00-foundations/02_bottlenecks.ipynb", "figures", "progress bars", "controls"),
+    _nb("00-foundations/05_rooflines_and_mfu.ipynb", "figures", "progress bars", "controls"),
     _nb("01-torch-compile/02_graph_breaks.ipynb", "figures", "progress bars"),
     _nb("02-mixed-precision/03_grad_scaler.ipynb", "figures", "progress bars"),
     _nb("03-fused-operations/01_fewer_bigger_kernels.ipynb", "figures", "progress bars"),

@@ -27,7 +27,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
                "per_call_ms", "BackgroundLoad", "MachineLoad", "machine_load", "SectionClock"),
     "memory": ("MemoryResult", "MemoryBreakdown", "TensorMemoryTracker",
                "measure_peak_memory", "memory_breakdown", "tensor_bytes", "format_bytes"),
-    "flops": ("FlopCount", "Ceilings", "RooflinePoint", "count_flops",
+    "flops": ("FlopCount", "Ceilings", "RooflinePoint", "OpCost", "op_cost", "count_flops",
               "measure_matmul_tflops", "measure_bandwidth_gbs", "measure_ceilings",
               "achieved_tflops", "achieved_gbs", "mfu", "MFUReport", "mfu_report",
               "datasheet_peak_tflops", "plot_roofline"),

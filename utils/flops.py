@@ -26,6 +26,8 @@ __all__ = [
     "FlopCount",
     "Ceilings",
     "RooflinePoint",
+    "OpCost",
+    "op_cost",
     "count_flops",
     "measure_matmul_tflops",
     "measure_bandwidth_gbs",
@@ -349,6 +351,74 @@ class RooflinePoint:
     @property
     def tflops(self) -> float:
         return achieved_tflops(self.flops, self.seconds)
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One operation to place on a roofline, before it is timed.
+
+    Attributes:
+        label: its name in tables and plots.
+        call: runs the operation once, with no arguments.
+        flops: FLOPs of one call.
+        bytes_moved: the minimum memory traffic of one call: every input read once and the
+            output written once (a real kernel can move more, never less).
+        source: where ``flops`` came from: ``"FlopCounterMode"`` or ``"analytic"``.
+    """
+
+    label: str
+    call: Callable[[], Any]
+    flops: int
+    bytes_moved: int
+    source: str
+
+    @property
+    def intensity(self) -> float:
+        """FLOPs per byte of minimum traffic."""
+        return self.flops / self.bytes_moved
+
+
+def op_cost(label: str, call: Callable[[], Any], inputs: Sequence[torch.Tensor],
+            analytic_flops_per_output: int | None = None) -> OpCost:
+    """Run ``call`` once (which also warms it up) and count its FLOPs and minimum bytes.
+
+    FLOPs come from :func:`count_flops`, which counts only matmul-like operators. For an op
+    it counts as zero (elementwise, softmax, normalisation) pass ``analytic_flops_per_output``:
+    the FLOPs are then that many per element of the output.
+
+    Args:
+        label: the op's name.
+        call: a no-argument callable returning one tensor.
+        inputs: the tensors it reads (each counted once in ``bytes_moved``).
+        analytic_flops_per_output: FLOPs per output element, for an op the counter ignores.
+
+    Raises:
+        TypeError: ``call`` is not callable or does not return a tensor.
+        ValueError: no inputs; a non-positive analytic count; the counter counts nothing and
+            no analytic count is given, or counts something although one is given (then the
+            analytic count would replace a real one).
+    """
+    if not callable(call):
+        raise TypeError(f"call must be a no-argument callable, got {type(call).__name__}")
+    if not inputs:
+        raise ValueError(f"{label}: give the input tensors, their bytes are part of the cost")
+    if analytic_flops_per_output is not None and analytic_flops_per_output <= 0:
+        raise ValueError(f"{label}: analytic_flops_per_output must be positive, "
+                         f"got {analytic_flops_per_output!r}")
+    out = call()
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{label}: call returned a {type(out).__name__}, not a tensor")
+    bytes_moved = sum(t.nbytes for t in inputs) + out.nbytes
+    counted = count_flops(call).total_flops
+    if analytic_flops_per_output is None:
+        if counted <= 0:
+            raise ValueError(f"{label}: FlopCounterMode counted no FLOPs; pass "
+                             "analytic_flops_per_output")
+        return OpCost(label, call, counted, bytes_moved, "FlopCounterMode")
+    if counted != 0:
+        raise ValueError(f"{label}: FlopCounterMode counted {counted} FLOPs: use them, not an "
+                         "analytic count")
+    return OpCost(label, call, analytic_flops_per_output * out.numel(), bytes_moved, "analytic")
 
 
 def plot_roofline(
