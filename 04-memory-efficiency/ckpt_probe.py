@@ -1,6 +1,7 @@
 """Checkpoint experiments that need a process of their own.
 
-Notebook ``05_checkpoints_and_loading`` runs this script with ``subprocess``:
+Notebooks ``05_checkpoints_and_loading`` (``write``) and ``08_loading_large_models`` (``load``)
+run this script with ``subprocess``:
 
 ``write``
     Saves a checkpoint of about ``--mib`` MiB (random fp32 tensors and a step

@@ -131,6 +131,8 @@ CALLS = {
     "memory.measure_peak_memory": lambda d: utils.measure_peak_memory(lambda: None, device=d),
     "memtools.find_max_batch": lambda d: memtools.find_max_batch(
         _oom_above(5), device=d, budget_bytes=2**30),
+    "memtools.memory_budget": lambda d: memtools.memory_budget(2**30, device=d).__enter__()
+    .__exit__(None, None, None),
     "timing.benchmark": lambda d: utils.benchmark(lambda: None, device=d, min_run_time_s=0.01,
                                                  warmup=1, warn_if_noisy=False),
     "precision.tf32_in_effect": lambda d: precision.tf32_in_effect(d),

@@ -68,6 +68,7 @@ __all__ = [
     "BatchTrial",
     "BatchSearch",
     "find_max_batch",
+    "memory_budget",
     "SavedTensorCompression",
     "optimizer_state_bytes",
     "HostMemory",
@@ -615,6 +616,69 @@ def find_max_batch(trial: Callable[[int], Any], *, start: int = 1, max_batch: in
                        budget_bytes=budget_bytes, allocated_before_bytes=alloc0,
                        allocated_after_bytes=alloc1, reserved_before_bytes=res0,
                        reserved_after_bytes=res1, device=str(dev))
+
+
+class memory_budget:
+    """Run a block against a memory budget, as :func:`find_max_batch` runs its trials.
+
+    ``with memory_budget(budget_bytes) as budget: search()`` lets the block use
+    ``budget_bytes`` of tensor memory and raises ``torch.OutOfMemoryError`` past it: on
+    CUDA the caching allocator itself is limited to the budget above what it has reserved
+    on entry (``torch.cuda.set_per_process_memory_fraction``, put back on exit), on a CPU
+    a :class:`utils.memory.TensorMemoryTracker` counts the tensor bytes created inside
+    the block (a real CPU out-of-memory kills the process instead of raising). On entry
+    the garbage collector runs and, on CUDA, cached blocks go back to the driver, so the
+    starting point is what is really in use. After the block, ``allocated_left_bytes``
+    is the tensor memory it left allocated, and ``reserved_left_bytes`` (CUDA; ``None``
+    on a CPU) what it left reserved, both above where it started.
+
+    Args:
+        budget_bytes: memory the block may use (a positive int).
+        device: where the block allocates (default: :func:`utils.pick_device`).
+
+    Raises:
+        ValueError: a budget that is not a positive int.
+    """
+
+    def __init__(self, budget_bytes: int, device: str | torch.device | None = None) -> None:
+        if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes <= 0:
+            raise ValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
+        self.budget_bytes = budget_bytes
+        self.device = pick_device(device)
+        self.allocated_left_bytes: int | None = None
+        self.reserved_left_bytes: int | None = None
+        self._recorder: TensorMemoryTracker | None = None
+        self._old_fraction: float | None = None
+
+    def __enter__(self) -> "memory_budget":
+        gc.collect()  # a dropped exception's frames can sit in reference cycles
+        dev = self.device
+        if dev.type == "cuda":
+            synchronize(dev)
+            torch.cuda.empty_cache()
+            self._alloc0 = torch.cuda.memory_allocated(dev)
+            self._res0 = torch.cuda.memory_reserved(dev)
+            total = torch.cuda.get_device_properties(dev).total_memory
+            getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+            self._old_fraction = float(getter(dev)) if getter is not None else 1.0
+            torch.cuda.set_per_process_memory_fraction(
+                min(1.0, (self._res0 + self.budget_bytes) / total), dev)
+        else:
+            self._recorder = TensorMemoryTracker(limit_bytes=self.budget_bytes)
+            self._recorder.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dev = self.device
+        if dev.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(self._old_fraction, dev)
+            synchronize(dev)
+            self.allocated_left_bytes = torch.cuda.memory_allocated(dev) - self._alloc0
+            self.reserved_left_bytes = torch.cuda.memory_reserved(dev) - self._res0
+        else:
+            assert self._recorder is not None
+            self._recorder.__exit__(*exc)
+            self.allocated_left_bytes = self._recorder.current_bytes
 
 
 # --------------------------------------------------------------------------------------
