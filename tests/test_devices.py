@@ -191,7 +191,7 @@ RUN_ON_DEVICE = {
     "amp.best_of_rounds", "amp.time_breakdown", "compiletools.profile_step",
     "data.CUDAPrefetcher", "data.stack_batches", "distributed.step_times_ms", "flops.mfu_report",
     "flops.measure_matmul_tflops", "flops.measure_bandwidth_gbs", "flops.measure_ceilings",
-    "kernels.count_kernels", "ladder.Trainer", "ladder.tf32_exists", "ladder.ceiling_matmul_size",
+    "kernels.count_kernels", "kernels.kernels_and_times", "ladder.Trainer", "ladder.tf32_exists", "ladder.ceiling_matmul_size",
     "ladder.measure_ceilings_tflops", "ladder.run_rung", "ladder.run_ladder",
     "ladder.fp8_mlp_sweep", "ladder.attention_inputs", "ladder.gpt_ladder_predictor",
     "ladder.matmul_arithmetic", "ladder.record_ceilings", "ladder.same_model_table",

@@ -14,8 +14,10 @@ function under :mod:`torch.profiler` and counts what it launched.
   to the profiler only when ``torch._inductor.config.cpp.enable_kernel_profile``
   was on while compiling; :func:`enable_cpu_kernel_profile` turns it on.
 
-:func:`kernel_names` and :func:`kernel_source` read the module that Inductor
-writes (``torch._inductor.utils.run_and_get_code`` returns it), on either device.
+:func:`kernel_names`, :func:`kernel_source`, :func:`kernel_excerpt` and
+:func:`library_calls` read the module that Inductor writes
+(``torch._inductor.utils.run_and_get_code`` returns it), on either device.
+:func:`kernels_and_times` counts and times several versions of one function.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ import re
 import warnings
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
 from .profiling import check_count, gpu_kernel_events, profile_calls
+from .timing import Timing, benchmark
 
 __all__ = [
     "ByteCount",
@@ -37,8 +40,11 @@ __all__ = [
     "count_bytes",
     "count_kernels",
     "enable_cpu_kernel_profile",
+    "kernel_excerpt",
     "kernel_names",
     "kernel_source",
+    "kernels_and_times",
+    "library_calls",
 ]
 
 # Operators that allocate or re-describe memory without reading or writing data.
@@ -342,3 +348,66 @@ def kernel_source(source: str, name: str) -> str:
     if end < 0:
         raise ValueError(f"cannot find the end of kernel {name!r}'s text")
     return rest[body_start:end].strip("\n")
+
+
+def kernel_excerpt(source: str, name: str, max_lines: int = 40, width: int = 110) -> str:
+    """The start of kernel ``name``'s code, to print and read.
+
+    It begins at the kernel's signature (``def triton_...`` or ``extern "C"``), past the imports
+    and decorators before it, and keeps at most ``max_lines`` lines of at most ``width``
+    characters each.
+
+    Raises:
+        TypeError: ``source`` is not a string.
+        ValueError: no kernel of that name (see :func:`kernel_source`), or ``max_lines`` or
+            ``width`` below 1.
+    """
+    if max_lines < 1 or width < 1:
+        raise ValueError(f"max_lines and width must be >= 1, got {max_lines} and {width}")
+    lines = kernel_source(source, name).splitlines()
+    start = next((i for i, ln in enumerate(lines) if re.match(r'\s*(def \w|extern "C")', ln)), 0)
+    return "\n".join(ln[:width] for ln in lines[start:start + max_lines])
+
+
+def library_calls(source: str) -> list[str]:
+    """The library kernels a module that Inductor generated calls, in order.
+
+    Inductor hands some ops (by default a matmul) to the vendor library (cuBLAS, oneDNN, MKL)
+    instead of generating a kernel; the module calls them as ``extern_kernels.mm(...)``,
+    ``extern_kernels.addmm(...)`` ..., and this returns ``["mm", "addmm", ...]``. Fusion stops
+    at such a call.
+
+    Raises:
+        TypeError: ``source`` is not a string.
+    """
+    if not isinstance(source, str):
+        raise TypeError(f"expected the generated source as a string, got {type(source).__name__}")
+    return re.findall(r"extern_kernels\.(\w+)\(", source)
+
+
+def kernels_and_times(versions: Mapping[str, Callable[..., Any]], *args: Any,
+                      device: str | torch.device | None = None,
+                      min_run_time_s: float = 0.5) -> tuple[dict[str, KernelCount], dict[str, Timing]]:
+    """Count the kernels of each version of a function and time it, on the same arguments.
+
+    Each ``fn`` in ``versions`` (label -> callable) is called as ``fn(*args)``: first under
+    :func:`count_kernels`, then under :func:`utils.benchmark` with its label. Wrap the call in
+    ``torch.no_grad()`` to measure inference.
+
+    Returns:
+        ``(kernels, times)``: two dicts keyed by the labels, in the order of ``versions``, of
+        :class:`KernelCount` and :class:`utils.Timing`; ``utils.compare(*times.values())`` makes
+        the speedup table.
+
+    Raises:
+        ValueError: ``versions`` is empty.
+    """
+    if not versions:
+        raise ValueError("kernels_and_times needs at least one version")
+    kernels = {name: count_kernels(fn, *args, device=device) for name, fn in versions.items()}
+    with warnings.catch_warnings(record=True) as caught:
+        times = {name: benchmark(fn, *args, label=name, device=device, min_run_time_s=min_run_time_s)
+                 for name, fn in versions.items()}
+    for w in caught:  # warned again from the caller's line (a noisy timing), not from this one
+        warnings.warn(w.message, w.category, stacklevel=2)
+    return kernels, times
