@@ -44,7 +44,7 @@ NOTEBOOKS = [
     _nb("02-mixed-precision/03_grad_scaler.ipynb", "figures", "progress bars"),
     _nb("03-fused-operations/01_fewer_bigger_kernels.ipynb", "figures", "progress bars"),
     _nb("04-memory-efficiency/01_anatomy_of_training_memory.ipynb", "figures"),
-    _nb("05-distributed/04_distributed_checkpoints.ipynb", "figures"),
+    _nb("05-distributed/08_resharding_and_async_save.ipynb", "figures"),
     _nb("06-capstone/01_speedup_ladder.ipynb", "figures", "progress bars"),
 ]
 # Modules being written now: give each a line above once it has notebooks, and take it

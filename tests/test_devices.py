@@ -136,6 +136,8 @@ CALLS = {
     "timing.benchmark": lambda d: utils.benchmark(lambda: None, device=d, min_run_time_s=0.01,
                                                  warmup=1, warn_if_noisy=False),
     "precision.tf32_in_effect": lambda d: precision.tf32_in_effect(d),
+    "distributed.assert_grads_close": lambda d: __import__("utils.distributed").distributed
+    .assert_grads_close({"w": torch.ones(3)}, {"w": torch.ones(3)}, "ranks", d),
     "ladder.fp8_unavailable_reason": lambda d: ladder.fp8_unavailable_reason(d),
     "precision.tolerance": lambda d: precision.tolerance(torch.float32, d),
     "precision.arithmetic": lambda d: precision.arithmetic(torch.float32, d),
@@ -202,7 +204,7 @@ RUN_ON_DEVICE = {
     "attention.sdpa_backend_used", "attention.random_qkv", "cli.native_bf16",
 }
 # Result records and helpers that hold a device's name but pass it to no CUDA API.
-RECORDS = {"attention.SDPARun", "cli.resolve_size", "cli.size_tier", "amp.TimeBreakdown", "distributed.WorkerInfo", "env.EnvInfo", "env.pick_device",
+RECORDS = {"attention.SDPARun", "cli.resolve_size", "cli.size_tier", "amp.TimeBreakdown", "distributed.WorkerInfo", "distributed.slowest_rank_timing", "env.EnvInfo", "env.pick_device",
            "flops.Ceilings", "kernels.KernelCount", "memory.MemoryResult",
            "memtools.MemoryTimeline", "memtools.timeline_from_snapshot", "memtools.BatchSearch",
            "profiling.ProfiledCalls", "timing.Timing"}

@@ -38,6 +38,8 @@ __all__ = [
     "load_training_state",
     "stale_temporaries",
     "remove_stale_temporaries",
+    "state_to_cpu",
+    "state_max_abs_diff",
 ]
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -350,3 +352,49 @@ def load_training_state(path: str | os.PathLike, *, model: torch.nn.Module,
         restored.append("rng")
     return TrainingState(step=int(state["step"]), extra=dict(state.get("extra", {})),
                          restored=tuple(restored), path=str(p))
+
+
+def state_to_cpu(tree: Any) -> Any:
+    """A copy of a nested state (dicts, lists and tuples of tensors and plain values, such as
+    a model's and an optimizer's state dicts) with every tensor detached and cloned to the
+    CPU, so that later training cannot change it; other values are kept as they are."""
+    if isinstance(tree, dict):
+        return {k: state_to_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(state_to_cpu(v) for v in tree)
+    return tree.detach().cpu().clone() if torch.is_tensor(tree) else tree
+
+
+def _tensor_pairs(state: Any, reference: Any, where: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The matching tensors of two nested states; ValueError where their structure differs."""
+    if isinstance(reference, dict):
+        if not isinstance(state, dict) or state.keys() != reference.keys():
+            raise ValueError(f"{where or 'the state'}: other keys than the reference's")
+        return [pair for k in sorted(reference, key=str)
+                for pair in _tensor_pairs(state[k], reference[k], f"{where}[{k!r}]")]
+    if isinstance(reference, (list, tuple)):
+        if not isinstance(state, (list, tuple)) or len(state) != len(reference):
+            raise ValueError(f"{where}: another length than the reference's")
+        return [pair for i, (a, b) in enumerate(zip(state, reference))
+                for pair in _tensor_pairs(a, b, f"{where}[{i}]")]
+    if torch.is_tensor(reference):
+        if not torch.is_tensor(state) or state.shape != reference.shape:
+            raise ValueError(f"{where}: not a tensor of the reference's shape "
+                             f"{tuple(reference.shape)}")
+        return [(state, reference)]
+    if state != reference:
+        raise ValueError(f"{where}: {state!r} where the reference has {reference!r}")
+    return []
+
+
+def state_max_abs_diff(state: Any, reference: Any) -> float:
+    """The largest |difference| between the tensors of two nested states on the CPU (for
+    example ``{"model": ..., "optim": ...}`` as saved and as loaded), in float64.
+
+    First checks that they have the same structure: the same keys, lengths and tensor shapes,
+    and equal plain values (an optimizer's hyper-parameters); raises ``ValueError`` naming the
+    first place where they differ. 0.0 for identical states (and for states without tensors).
+    """
+    pairs = _tensor_pairs(state, reference, "")
+    return max(((a.double() - b.double()).abs().max().item() for a, b in pairs if a.numel()),
+               default=0.0)

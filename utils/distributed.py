@@ -21,7 +21,10 @@ step timer), and for checking an all-reduce at any rank count,
 :func:`exactly_summable` (data whose sums are exact in any order) and
 :func:`sum_error_bound` (how far a floating-point sum may be from the exact one).
 :func:`single_process_group` sets up a process group of one rank inside a
-notebook, for exercises that count collectives without a launch.
+notebook, for exercises that count collectives without a launch. On the notebook side,
+:func:`slowest_rank_timing` turns the ranks' per-step times into one
+:class:`~utils.Timing`, and :func:`assert_grads_close` checks the gradients the ranks
+saved against a reference computed in one process.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import queue
 import re
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -50,6 +54,7 @@ import torch
 
 if TYPE_CHECKING:
     from .models import GPTConfig
+    from .timing import Timing
 
 __all__ = [
     "DistributedLaunchError",
@@ -68,6 +73,11 @@ __all__ = [
     "exactly_summable",
     "sum_error_bound",
     "single_process_group",
+    "slowest_rank_timing",
+    "assert_grads_close",
+    "worst_rank_value",
+    "step_stats",
+    "compare_step_times",
 ]
 
 _BACKENDS = ("gloo", "nccl")
@@ -599,3 +609,105 @@ def read_rank_results(out_dir: str | os.PathLike, world_size: int) -> list[dict[
             f"no results from rank(s) {missing} in {out}: did the launch fail before they wrote?"
         )
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def slowest_rank_timing(ranks: Sequence[dict[str, Any]], path: Sequence[str],
+                        device: str) -> "Timing":
+    """A :class:`~utils.Timing` of the per-step times that every rank stored at ``path`` in
+    its results (:func:`read_rank_results`), each step's time being its *slowest* rank's: in
+    a step with a collective the other ranks wait for that one. Labelled ``path[-1]``.
+
+    Example: ``slowest_rank_timing(ranks, ("comm", "4", "ddp"), "2 x cpu (gloo)")`` reads
+    ``ranks[r]["comm"]["4"]["ddp"]``, a list of step times in ms, from every rank ``r``.
+
+    Raises:
+        ValueError: no ranks or an empty ``path``, or the ranks timed different numbers of steps.
+        KeyError: a rank's results have nothing at ``path``.
+    """
+    from .timing import Timing
+
+    if not ranks or not path:
+        raise ValueError("give the ranks' results and the path of their step times")
+    per_rank = []
+    for result in ranks:
+        for key in path:
+            result = result[key]
+        per_rank.append([float(t) for t in result])
+    if len({len(times) for times in per_rank}) != 1:
+        raise ValueError(f"the ranks timed different numbers of steps at {list(path)}: "
+                         f"{[len(times) for times in per_rank]}")
+    slowest = [max(step) for step in zip(*per_rank)]
+    return Timing.from_times(str(path[-1]), slowest, 1, str(device),
+                             "per-step wall clock, slowest rank")
+
+
+def assert_grads_close(grads: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+                       what: str, device: str | torch.device,
+                       dtype: torch.dtype = torch.float32) -> float:
+    """Assert that every named gradient is within :func:`utils.tolerance` for ``dtype`` on
+    ``device`` of the expected one, the tolerance scaled to that expected tensor (the sums
+    of a distributed step run in another order than one process's).
+
+    Returns:
+        The worst ``max|g - e| / max|e|`` over the tensors (fp32's epsilon is 1.2e-7): how
+        close they are, in a unit that reads the same for every tensor.
+
+    Raises:
+        AssertionError: the names differ, or a gradient is outside its tolerance (the message
+            names ``what`` and the parameter).
+    """
+    from .precision import tolerance
+
+    if grads.keys() != expected.keys():
+        raise AssertionError(
+            f"{what}: parameter names differ: {sorted(grads.keys() ^ expected.keys())}")
+    for name, e in expected.items():
+        tol = tolerance(dtype, device, scale=e)
+        g = grads[name]
+        if (g.shape, g.dtype, g.device) == (e.shape, e.dtype, e.device) and tol.excess(g, e) < 1:
+            continue  # within it: torch.testing's first call imports seconds' worth of modules
+        torch.testing.assert_close(g, e, **tol.kwargs(),  # the failure, with torch's message
+                                   msg=lambda m, name=name: f"{what}, {name}: {m}")
+    return max(((grads[n] - e).abs().max() / e.abs().max().clamp_min(1e-30)).item()
+               for n, e in expected.items())
+
+
+def worst_rank_value(ranks: Sequence[dict[str, Any]], config: str, key: str) -> float:
+    """The largest value over the ranks of one per-rank number, ``ranks[r]["configs"][config]
+    [key]`` (the layout module 05's FSDP worker writes): a peak or an error is only as good as
+    its worst rank."""
+    if not ranks:
+        raise ValueError("no ranks' results")
+    return max(r["configs"][config][key] for r in ranks)
+
+
+def step_stats(ranks: Sequence[dict[str, Any]], config: str) -> tuple[float, float]:
+    """``(median step ms, IQR / median)`` of the slowest rank (by median) at ``config``, from
+    each rank's ``["configs"][config]["step_ms_all"]``: a synchronous step costs its slowest
+    rank's time.
+
+    Raises:
+        ValueError: no ranks, or a rank with fewer than two step times (no spread).
+    """
+    if not ranks:
+        raise ValueError("no ranks' results")
+    times = max((r["configs"][config]["step_ms_all"] for r in ranks), key=statistics.median)
+    if len(times) < 2:
+        raise ValueError(f"{config}: need at least two step times for a spread, got {len(times)}")
+    q1, _, q3 = statistics.quantiles(times, n=4)
+    median = statistics.median(times)
+    return median, (q3 - q1) / median
+
+
+def compare_step_times(ranks: Sequence[dict[str, Any]], a: str, b: str) -> tuple[float, str]:
+    """The step time of ``b`` over ``a`` (:func:`step_stats`), and a sentence on whether the
+    difference is larger than the step-to-step spread (the larger IQR / median of the two)."""
+    (ta, na), (tb, nb) = step_stats(ranks, a), step_stats(ranks, b)
+    ratio, spread = tb / ta, max(na, nb)
+    if abs(ratio - 1) <= spread:
+        verdict = (f"within the step-to-step spread ({spread:.0%} IQR): "
+                   "no measurable difference on this machine")
+    else:
+        verdict = (f"{'faster' if ratio < 1 else 'slower'} by more than the step-to-step spread "
+                   f"({spread:.0%} IQR)")
+    return ratio, verdict

@@ -1,8 +1,9 @@
 """Distributed checkpoints (torch.distributed.checkpoint, DCP) of an FSDP2-sharded TinyGPT.
 
-Started by ``05-distributed/04_distributed_checkpoints.ipynb`` through
-``utils.distributed.launch`` (torchrun; gloo on CPU processes, NCCL with one GPU per process).
-Two phases, chosen with ``--phases``:
+Started by ``05-distributed/04_distributed_checkpoints.ipynb`` (the ``resume`` phase) and
+``08_resharding_and_async_save.ipynb`` (both phases) through ``utils.distributed.launch``
+(torchrun; gloo on CPU processes, NCCL with one GPU per process). Two phases, chosen with
+``--phases``:
 
 ``resume``
     Train ``--steps`` steps, then checkpoint the model and the Adam state at that step three
@@ -12,7 +13,7 @@ Two phases, chosen with ``--phases``:
     and ``torch.save`` it). Train ``--steps`` more steps: the *uninterrupted* losses; their
     final state is saved the old way too, for the notebook to compare with.
     Then build a fresh model, load the DCP checkpoint into it and train the same steps again:
-    the *resumed* losses. The notebook loads the same checkpoint into one process, too.
+    the *resumed* losses. Notebook 08 loads the same checkpoint into one process, too.
 
 ``time``
     How long each way of checkpointing blocks the training loop: ``--time-rounds`` rounds

@@ -1,4 +1,4 @@
-"""DistributedDataParallel worker for 05-distributed/01_ddp.ipynb.
+"""DistributedDataParallel worker for 05-distributed/01_ddp.ipynb and 06_ddp_in_practice.ipynb.
 
 Start it with torchrun, one process per GPU (NCCL) or several CPU processes (gloo):
 
@@ -22,7 +22,8 @@ Every rank trains a copy of ``utils.TinyGPT`` on its shard of a global batch.
                fp16 autocast + GradScaler, which needs CUDA).
 
 Each rank writes ``rank<k>.json`` (utils.distributed.write_rank_result); rank 0
-also writes ``*.pt`` files with gradients for the notebook's reference check.
+also writes ``*.pt`` files with gradients for the notebook's reference check, which
+``reference_grads`` computes in the notebook's own process, without DDP.
 """
 
 from __future__ import annotations
@@ -114,6 +115,25 @@ def build_ddp(cfg, w: ud.WorkerInfo, seed: int, **ddp_options):
 def loss_of(model, x, y) -> torch.Tensor:
     """The loss utils.train_step computes (mean cross-entropy over all tokens)."""
     return F.cross_entropy(model(x).flatten(0, -2).float(), y.flatten())
+
+
+def reference_grads(cfg, per_rank: int, world: int, device: torch.device, init_state: dict):
+    """What the ``check`` step's DDP gradients must equal, computed in one process without
+    DDP or a process group: the backward of ``utils.train_step``'s loss (``loss_of``) from
+    the same initial weights on the whole global batch (every rank's shard, before it is
+    cut). The optimizer step that follows does not change the gradients, so none is taken
+    (and the notebook does not pay for importing what an optimizer imports). Returns
+    ``(loss, {name: fp32 gradient on the CPU})``."""
+    model = utils.TinyGPT(cfg).to(device)
+    model.load_state_dict(init_state)
+    x, y = utils.lm_batch(cfg, world * per_rank, device=device, seed=CHECK_SEED)
+    loss = loss_of(model, x, y)
+    loss.backward()
+    grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters()}
+    del model, x, y
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # hand the memory back: a later launch's ranks share the GPU
+    return loss.item(), grads
 
 
 class CommCounter:

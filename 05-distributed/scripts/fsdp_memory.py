@@ -1,7 +1,9 @@
 """DDP vs ZeRO-1 vs FSDP2 on the same TinyGPT: correctness, per-rank memory, communication.
 
-Started by ``05-distributed/02_fsdp2_and_zero.ipynb`` through ``utils.distributed.launch``
-(torchrun; gloo on CPU processes, NCCL with one GPU per process). Every rank:
+Started by ``05-distributed/02_fsdp2_and_zero.ipynb`` (``ddp``, ``zero1``, ``fsdp2``) and
+``05-distributed/07_fsdp2_in_practice.ipynb`` (the other configurations) through
+``utils.distributed.launch`` (torchrun; gloo on CPU processes, NCCL with one GPU per
+process). Every rank:
 
 1. trains a single-process *reference* on the whole global batch (same seed, same data),
 2. for each configuration in ``--configs`` builds the same model, wraps it, trains
