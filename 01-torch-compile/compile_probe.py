@@ -1,7 +1,7 @@
 """Measure how long ``torch.compile`` takes, in a fresh Python process.
 
-Notebook ``04_regional_compilation_and_caching`` runs this script with
-``subprocess`` so that every compile-time measurement starts from nothing: no
+Notebooks ``04_regional_compilation_and_caching`` and ``06_the_compile_cache`` run
+this script with ``subprocess`` so that every compile-time measurement starts from nothing: no
 module imported yet, no compiled code in memory, and an inductor cache
 directory chosen by the caller (empty for a *cold* compile, reused for a
 *warm* one). A measurement taken inside a long-lived notebook process would be
