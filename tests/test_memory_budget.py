@@ -59,7 +59,7 @@ def test_memory_budget_sets_the_fraction_from_what_is_reserved_and_puts_it_back(
     """With torch.cuda faked (tests/test_devices.py's FakeCuda): an 80 GiB device, 1 GiB
     reserved on entry, a budget of 7 GiB -> a fraction of 8/80 inside the block, the previous
     fraction after it, and what the block left read from the allocator's counters."""
-    from tests.test_devices import FakeCuda
+    from test_devices import FakeCuda
 
     fake = FakeCuda().install(monkeypatch)
     fake.fraction = 0.9
