@@ -307,3 +307,10 @@ def test_section_clock_books_each_section_and_records_it(monkeypatch):
     assert led.measurements["notebook_wall_s"].value == 10.0
     with pytest.raises(ValueError, match="name"):
         clock.lap("")
+
+
+def test_ledger_key_is_the_one_rule_for_rungs_and_sections():
+    assert utils.ledger_key("3. Correctness before timing") == "3_correctness_before_timing"
+    assert L.rung_key("SDPA (flash)") == utils.ledger_key("SDPA (flash)") == "sdpa_flash"
+    with pytest.raises(ValueError, match="letter or a digit"):
+        utils.ledger_key(" - ")

@@ -58,7 +58,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
                 "library_calls", "kernels_and_times"),
     "attention": ("BackendStatus", "sdpa_backend_status", "sdpa_backends", "SDPARun",
                   "sdpa_backend_used", "random_qkv", "attention_step"),
-    "ledger": ("Ledger", "Record", "Expectation", "ExpectationNotMet", "results_dir"),
+    "ledger": ("Ledger", "Record", "Expectation", "ExpectationNotMet", "results_dir",
+               "ledger_key"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 #: Submodules a notebook or script reads as a whole (``utils.ladder.run_ladder``).

@@ -54,6 +54,7 @@ from .compiletools import StepProfile, profile_step
 from .env import needs, pick_device, synchronize
 from .flops import count_flops, measure_matmul_tflops
 from .losses import chunked_linear_cross_entropy
+from .ledger import ledger_key
 from .memory import format_bytes, measure_peak_memory, tensor_bytes
 from .models import CausalSelfAttention, GPTConfig, TinyGPT
 from .precision import tf32 as tf32_context
@@ -1859,10 +1860,7 @@ def rung_key(name: str) -> str:
     """The ledger key of a rung's name: lower case, each run of other characters one ``_``
     (``"bf16 autocast"`` -> ``"bf16_autocast"``, ``"vocab padded to 128"`` ->
     ``"vocab_padded_to_128"``)."""
-    key = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
-    if not key:
-        raise ValueError(f"a rung's name needs a letter or a digit, got {name!r}")
-    return key
+    return ledger_key(name)
 
 
 def _ran(results: Sequence[RungResult]) -> list[RungResult]:
@@ -1927,9 +1925,10 @@ def record_rungs(ledger: Any, results: Sequence[RungResult], *, convention: str,
     kind), ``k_warmup_s`` and ``k_peak_bytes`` (where measured). ``convention`` names the FLOP
     count in the MFUs' notes; ``device_name`` the GPU in the datasheet's.
     """
-    base = _ran(results)[0]
+    ran = _ran(results)
+    base = ran[0]
     sheet = {k: v for k, v in (datasheet or {}).items() if v}
-    for r in _ran(results):
+    for r in ran:
         k = rung_key(r.name)
         ledger.record(f"{k}_ms_per_step", r.median_ms, "ms",
                       note=f"SDPA ran {r.sdpa_backend}" if r.sdpa_backend else "")

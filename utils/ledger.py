@@ -13,6 +13,7 @@ import datetime as _dt
 import json
 import math
 import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ __all__ = [
     "Ledger",
     "ExpectationNotMet",
     "results_dir",
+    "ledger_key",
     "shared_jobs",
     "course_commit",
     "MET",
@@ -49,6 +51,20 @@ SCHEMA_VERSION = 1
 
 class ExpectationNotMet(AssertionError):
     """A full-size run missed an expectation that applies to its hardware."""
+
+
+def ledger_key(text: str) -> str:
+    """A ledger key made from a name or a label: lower case, each run of other characters one
+    ``_`` (``"bf16 autocast"`` -> ``"bf16_autocast"``, ``"3. Correctness"`` ->
+    ``"3_correctness"``).
+
+    Raises:
+        ValueError: ``text`` has no letter or digit to make a key of.
+    """
+    key = re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")
+    if not key:
+        raise ValueError(f"a key needs a letter or a digit, got {text!r}")
+    return key
 
 
 def results_dir() -> Path:

@@ -652,9 +652,8 @@ class SectionClock:
                total: str = "notebook_wall_s") -> None:
         """Record each section as ``<prefix><key>`` (the section's name in lower case, each run of
         other characters one ``_``) and the total as ``total``, in seconds."""
-        import re
+        from .ledger import ledger_key
 
         for section, seconds in self.seconds.items():
-            key = re.sub(r"[^a-z0-9]+", "_", section.lower()).strip("_")
-            ledger.record(f"{prefix}{key}", seconds, "s", note=section)
+            ledger.record(f"{prefix}{ledger_key(section)}", seconds, "s", note=section)
         ledger.record(total, self.total_s, "s", note="from the clock's start to the last lap")
