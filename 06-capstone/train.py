@@ -361,6 +361,8 @@ def _train(args, sizes, cfg, rung_name, preset, rank, world, device, notes=()) -
         x, y = batches(step)
         return x[rows], y[rows]
 
+    if device.type == "cuda":  # this run's peak, not an earlier run's in a --benchmark
+        torch.cuda.reset_peak_memory_stats(device)
     model_fn = ladder.gpt_model_fn(gpt_cfg, seed=args.seed)
     x0, y0 = batch(0)
     flops = ladder.count_step_flops(model_fn(ladder.TrainConfig()), x0, y0, vocab)
@@ -467,6 +469,13 @@ def _train(args, sizes, cfg, rung_name, preset, rank, world, device, notes=()) -
             except Exception as exc:  # a profiler fault must not lose the run's figures
                 say(f"--profile-steps: the profiler failed ({type(exc).__name__}: {exc})")
     what = "compilation and warm-up" if cfg.compile else "warm-up"
+    peak_gib = peak_reserved_gib = math.nan
+    if device.type == "cuda":
+        peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
+        peak_reserved_gib = torch.cuda.max_memory_reserved(device) / 2**30
+        total_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+        say(f"peak GPU memory: {peak_gib:.1f} GiB allocated, {peak_reserved_gib:.1f} GiB "
+            f"reserved by the caching allocator, of {total_gib:.0f} GiB")
     say(f"first step ({what}): {first_s:.1f} s, not in the rates above")
     result = {"final_loss": loss, "tokens_per_s": speeds[-1] if speeds else math.nan,
               "mfu": mfu, "steps": args.steps, "world_size": world,
@@ -474,7 +483,8 @@ def _train(args, sizes, cfg, rung_name, preset, rank, world, device, notes=()) -
               "padded_vocab": padded_vocab, "first_step_s": first_s, "ceiling_kind": kind,
               "ceiling_tflops": ceiling, "flops_per_step": flops,
               "batch_size": sizes["batch_size"], "settings": cfg.describe(),
-              "fp8_layers": len(trainer.fp8_layers)}
+              "fp8_layers": len(trainer.fp8_layers), "peak_gib": peak_gib,
+              "peak_reserved_gib": peak_reserved_gib}
     if rank == 0 and (args.out or "").lower() != "none":
         state = trainer.state_dict()
         words = list(data.tokenizer.words) if args.data == "corpus" else None
@@ -640,6 +650,12 @@ def kernel_breakdown(profile: StepProfile, flops: float, ceiling_tflops: float,
     lines.append(f"  idle (launch gaps, host work, synchronisation) {idle:9.2f} ms")
     for name, t in profile.top_kernels[:5]:
         lines.append(f"    top kernel {t:8.2f} ms  [{classify_kernel(name)}] {name[:90]}")
+    others = [(n, t) for n, t in profile.top_kernels if classify_kernel(n) == "other"][:8]
+    if others:
+        lines.append(f"  the longest of the other kernels ({ms.get('other', 0.0):.2f} ms per step "
+                     "in all):")
+        for name, t in others:
+            lines.append(f"    {t:8.2f} ms  {name[:100]}")
     return lines
 
 
@@ -759,7 +775,7 @@ def print_benchmark_table(rows: list[dict], device_type: str, breakdown: bool = 
     print(f"\nFLOPs: {BENCHMARK_CONVENTION}; padded vocabulary rows are not counted, nor what "
           "the chunked loss computes again in backward (the head's matmul).")
     print(f"{'run':<{width}} {'vocab (padded)':>15} {'batch':>5} {'tokens/s':>11} {'TFLOP/s':>8} "
-          f"{'MFU measured':>13} {'MFU datasheet':>14}  gain")
+          f"{'MFU measured':>13} {'MFU datasheet':>14} {'peak GiB':>8}  gain")
     for r in rows:
         if "skipped" in r:  # a reason, or "failed: ..."
             why = r["skipped"] if r["skipped"].startswith("failed") else f"skipped: {r['skipped']}"
@@ -772,12 +788,16 @@ def print_benchmark_table(rows: list[dict], device_type: str, breakdown: bool = 
               else f"{'n/a':>14}")
         g = _gain(r, ran)
         gain = f"{g:.2f}x over {r['versus']}" if g is not None else "-"
+        peak = r.get("peak_reserved_gib", math.nan)
+        pk = f"{peak:8.1f}" if math.isfinite(peak) else f"{'-':>8}"
         print(f"{r['label']:<{width}} {r['vocab_size']:>7} ({r['padded_vocab']:>5}) "
-              f"{r.get('batch_size', '?'):>5} {r['tokens_per_s']:>11,.0f} {tf} {vm} {vd}  {gain}")
+              f"{r.get('batch_size', '?'):>5} {r['tokens_per_s']:>11,.0f} {tf} {vm} {vd} {pk}  "
+              f"{gain}")
     print("MFU measured: of the matmul ceiling measured here in each run's arithmetic; MFU "
           "datasheet: of the GPU's dense peak in that arithmetic (none for a CPU). FP8 runs: "
-          "against the bf16 ceilings (no FP8 ceiling is measured). gain: tokens/s over the run "
-          "it changes one thing from.")
+          "against the bf16 ceilings (no FP8 ceiling is measured). peak GiB: the most GPU "
+          "memory the caching allocator held in the run (what a smaller GPU must have free). "
+          "gain: tokens/s over the run it changes one thing from.")
     for r in rows:
         if "skipped" not in r:
             print(f"  {r['label']}: {r['rung']} + flags: {r.get('settings', '')}")
@@ -823,6 +843,13 @@ def write_benchmark_ledger(args: argparse.Namespace, rows: list[dict]) -> Path:
             if rep.vs_datasheet is not None:
                 ledger.record(f"mfu_vs_datasheet_{key}", rep.vs_datasheet, "fraction",
                               note=f"{rep.datasheet_peak_tflops:g} TFLOP/s dense {rep.precision}")
+        for name, field in (("peak_allocated_gib", "peak_gib"),
+                            ("peak_reserved_gib", "peak_reserved_gib")):
+            value = r.get(field, math.nan)
+            if math.isfinite(value):
+                ledger.record(f"{name}_{key}", value, "GiB",
+                              note="the run's most GPU memory, allocated by tensors or "
+                                   "reserved by the caching allocator")
         g = _gain(r, ran)
         if g is not None and r["label"] != "top rung":
             ledger.record(f"gain_{key}", g, "x", note=f"tokens/s over {r['versus']}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import subprocess
@@ -303,7 +304,10 @@ def _fake_train(seen, fail_on=None, profile=None):
         out = {"tokens_per_s": 50_000.0 * n, "rung": f"rung {n}",
                "vocab_size": 50257 if random else 8257, "padded_vocab": 50304 if random else 8320,
                "report": report, "batch_size": args.batch_size or 16, "settings": "s",
-               "flops_per_step": 2e12, "ceiling_tflops": 700.0, "ceiling_kind": "bf16"}
+               "flops_per_step": 2e12, "ceiling_tflops": 700.0, "ceiling_kind": "bf16",
+               "peak_gib": 10.0 * n, "peak_reserved_gib": 10.0 * n + 1.5}
+        if args.rung == "fp32":  # a CPU run has no GPU memory to report
+            out["peak_gib"] = out["peak_reserved_gib"] = math.nan
         if profile is not None:
             out["profile"] = profile
         return out
@@ -336,7 +340,13 @@ def test_benchmark_runs_every_run_says_why_one_is_skipped_and_prints_one_table(
     assert "1.33x over top rung, GPT-2 vocabulary" in out  # 200,000 / 150,000 tokens/s
     assert "1.25x over chunked loss, GPT-2 vocabulary" in out
     assert "Time by kernel kind: skipped (profiled on CUDA only" in out
+    # the peak memory column: the allocator's reserve, '-' where there is none to report
+    assert re.search(r"^top rung +8257 \( 8320\) +16 +100,000 .* 21\.5  2\.00x over fp32", out,
+                     re.M), "top rung's row ends with its peak GiB before the gain"
+    assert re.search(r"^fp32 eager .* +-  -$", out, re.M), "no peak for the fp32 row"
     led = utils.Ledger.load(tmp_path / "bench.json")
+    assert led["peak_reserved_gib_top_rung"] == 21.5 and led["peak_allocated_gib_top_rung"] == 20
+    assert "peak_reserved_gib_fp32_eager" not in led.measurements
     assert led["speedup_top_over_fp32"] == pytest.approx(2.0)
     assert led["mfu_vs_datasheet_top_rung_GPT2_vocabulary"] == pytest.approx(303 / 989.4)
     assert led["gain_chunked_loss_GPT2_vocabulary"] == pytest.approx(4 / 3)
@@ -408,13 +418,19 @@ def test_benchmark_on_a_gpu_explains_the_best_runs_time_by_kernel_kind(monkeypat
                        kernel_ms_by_category={"matmul": 38.0, "attention": 6.0, "optimizer": 2.0,
                                               "copy": 0.5, "other": 7.5},
                        wall_ms_per_step=60.0, median_gap_us=2.0,
-                       top_kernels=(("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", 9.0),))
+                       top_kernels=(("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT", 9.0),
+                                    ("triton_red_fused_native_layer_norm_backward_3", 2.5),
+                                    ("triton_poi_fused_gelu_backward_7", 1.5)))
     lines = train.kernel_breakdown(prof, flops=28e12, ceiling_tflops=700.0, kind="bf16")
     text = "\n".join(lines)
     assert "take 40.00 ms" in text and "the 20.00 ms between" in text
     assert "beyond the bound      4.00 ms" in text  # 38 + 6 - 40
     assert "copies)     10.00 ms" in text and "synchronisation)      6.00 ms" in text  # 4+6+10=20
     assert "[matmul] nvjet_tst" in text
+    # the gap's largest part named kernel by kernel: the other kernels, longest first
+    assert re.search(r"longest of the other kernels \(7\.50 ms per step in all\):\n +2\.50 ms  "
+                     r"triton_red_fused_native_layer_norm_backward_3\n +1\.50 ms  triton_poi",
+                     text), text
     seen = []
     monkeypatch.setattr(train, "train", _fake_train(seen, profile=prof))
     monkeypatch.setattr(train, "_STARTED", time.perf_counter())

@@ -444,7 +444,7 @@ def summarize_kernels(events: Sequence[KernelEvent], *, label: str, steps: int, 
             cur_end = max(cur_end, e.end_us)
     if cur_end is not None:
         busy_us += cur_end - cur_start
-    top = tuple(sorted(((n, t / steps) for n, t in per_name.items()), key=lambda kv: -kv[1])[:8])
+    top = tuple(sorted(((n, t / steps) for n, t in per_name.items()), key=lambda kv: -kv[1])[:40])
     return StepProfile(
         label=label, unit=unit, steps=steps,
         kernels_per_step=len(evs) / steps,
