@@ -203,3 +203,47 @@ def test_cuda_probe_reads_the_allocator():
     r = utils.measure_peak_memory(work, device="cuda")
     assert r.peak_bytes >= 64 * MIB
     assert r.allocator_peak_reserved_bytes >= r.allocator_peak_allocated_bytes
+
+
+def test_meter_counts_the_release_of_tensors_that_existed_before_it_as_cuda_does():
+    """On CUDA a meter reads memory_allocated() against its start, so clearing gradients
+    made before the block shows as negative memory: 04/04's Exercise 2 check and 04/06's
+    peak claims failed on the H100/H200 that way while passing on CPUs, whose meter saw only
+    storage created inside the block. The CPU meter now sees such releases too."""
+    from utils.memory import MemoryMeter
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 1024)  # 1 MiB of weight
+    model(torch.randn(4, 256)).sum().backward()  # gradients exist before the meters start
+    grad_bytes = sum(p.grad.untyped_storage().nbytes() for p in model.parameters())
+    before = torch.ones(256, 1024)  # 1 MiB, made before the meter
+    with MemoryMeter("cpu") as m:
+        model.zero_grad(set_to_none=True)  # frees the gradients made before the block
+        del before
+        kept = torch.ones(128, 1024)  # 0.5 MiB added
+    assert m.held_bytes == MIB // 2 - grad_bytes - MIB, (m.held_bytes, grad_bytes)
+    assert m.peak_bytes == 0, "the highest level was the start, as CUDA's reset peak reads"
+    del kept
+    assert m.held_bytes == -grad_bytes - MIB
+    # the tracker without the option counts only what the block created (its documented
+    # default, which MemoryMeter used before)
+    model(torch.randn(4, 256)).sum().backward()
+    plain = utils.TensorMemoryTracker()
+    with plain:
+        model.zero_grad(set_to_none=True)
+    assert plain.current_bytes == 0
+
+
+def test_memory_budget_reports_the_gradients_a_block_cleared_below_its_start():
+    from utils.memtools import memory_budget
+
+    model = torch.nn.Linear(256, 1024)
+    model(torch.randn(4, 256)).sum().backward()
+    grad_bytes = sum(p.grad.untyped_storage().nbytes() for p in model.parameters())
+    with memory_budget(8 * MIB, device="cpu") as budget:
+        model.zero_grad(set_to_none=True)
+    assert budget.allocated_left_bytes == -grad_bytes
+    with memory_budget(8 * MIB, device="cpu") as budget:  # nothing there before: nothing freed
+        model(torch.randn(4, 256)).sum().backward()
+        model.zero_grad(set_to_none=True)
+    assert budget.allocated_left_bytes == 0

@@ -15,6 +15,7 @@ produced it.
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import sys
 import weakref
@@ -137,6 +138,13 @@ def _site_from_stack() -> str:
     return "<no Python frame>"
 
 
+def _release_existing(tracker_ref: "weakref.ref[TensorMemoryTracker]",
+                      key: tuple[Any, int, int]) -> None:
+    tracker = tracker_ref()
+    if tracker is not None:
+        tracker._release_existing_key(key)
+
+
 class TensorMemoryTracker(TorchDispatchMode):
     """Counts the bytes of tensor storage allocated while active, and their peak.
 
@@ -154,6 +162,15 @@ class TensorMemoryTracker(TorchDispatchMode):
     The tracker can be entered again after it exits (each ``with`` block adds to
     the same counts); :meth:`reset_peak` restarts the peak at the current level.
 
+    With ``count_existing_frees``, the tracker counts like CUDA's allocator counters
+    read as ``memory_allocated() - start``: on first entry it finds every CPU tensor
+    Python can reach (the garbage collector's objects, and the gradients of leaf
+    tensors), and when one of their storages is freed afterwards, ``current_bytes``
+    falls by its size, below zero if the work freed more than it kept. Without it,
+    clearing gradients that existed before the block goes unseen on a CPU and shows
+    only on a GPU. Storages only C++ holds (an autograd graph's saved tensors) are
+    not found.
+
     Args:
         limit_bytes: a memory budget. When an operator takes the counted bytes
             above it, the tracker raises ``torch.OutOfMemoryError`` (the error a
@@ -163,12 +180,15 @@ class TensorMemoryTracker(TorchDispatchMode):
         record_events: keep :attr:`events`, a list of :class:`MemoryEvent`
             (each allocation with the line of code behind it, and each release)
             until :meth:`stop_recording`.
+        count_existing_frees: count the release of storages that existed before the
+            first entry (above).
 
     Raises:
         ValueError: ``limit_bytes`` is not a positive int.
     """
 
-    def __init__(self, *, limit_bytes: int | None = None, record_events: bool = False) -> None:
+    def __init__(self, *, limit_bytes: int | None = None, record_events: bool = False,
+                 count_existing_frees: bool = False) -> None:
         if limit_bytes is not None and (isinstance(limit_bytes, bool)
                                         or not isinstance(limit_bytes, int) or limit_bytes <= 0):
             raise ValueError(f"limit_bytes must be a positive int of bytes, got {limit_bytes!r}")
@@ -180,6 +200,41 @@ class TensorMemoryTracker(TorchDispatchMode):
         self.limit_bytes = limit_bytes
         self.events: list[MemoryEvent] | None = [] if record_events else None
         self._recording = record_events
+        self._count_existing = count_existing_frees
+        self._existing: set[tuple[Any, int, int]] | None = None
+
+    def __enter__(self) -> "TensorMemoryTracker":
+        if self._count_existing and self._existing is None:
+            self._watch_existing()
+        return super().__enter__()
+
+    def _watch_existing(self) -> None:
+        """Watch the storages of the CPU tensors that exist now, for their release."""
+        self._existing = set()
+        me = weakref.ref(self)
+        for obj in gc.get_objects():
+            try:
+                if not issubclass(type(obj), torch.Tensor):  # type(): no __class__ lookups
+                    continue
+                found = [obj]
+                if obj.is_leaf and obj.requires_grad and obj.grad is not None:
+                    found.append(obj.grad)
+            except Exception:  # noqa: BLE001 - an object whose type check itself fails
+                continue
+            for t in found:
+                try:  # a storage offloading hooks have swapped out has no data pointer
+                    key = _storage_key(t)
+                    if key is None or key[0].type != "cpu" or key in self._existing:
+                        continue
+                    weakref.finalize(t.untyped_storage(), _release_existing, me, key)
+                except RuntimeError:
+                    continue
+                self._existing.add(key)
+
+    def _release_existing_key(self, key: tuple[Any, int, int]) -> None:
+        if self._existing is not None and key in self._existing:
+            self._existing.discard(key)
+            self.current_bytes -= key[2]
 
     def stop_recording(self) -> None:
         """Add no more events (the counts go on: ``current_bytes`` still falls as
@@ -201,7 +256,8 @@ class TensorMemoryTracker(TorchDispatchMode):
 
     def _track_new(self, t: torch.Tensor, inputs: set[tuple[Any, int, int]], func: Any) -> int:
         key = _storage_key(t)
-        if key is None or key in self._live or key in inputs:
+        if key is None or key in self._live or key in inputs or \
+                (self._existing is not None and key in self._existing):
             return 0
         if self._recording and self.events is not None:
             ev = MemoryEvent("alloc", key[1], key[2], _site_from_stack(), str(func))
@@ -237,11 +293,13 @@ class TensorMemoryTracker(TorchDispatchMode):
 class MemoryMeter:
     """Tensor memory added by a block of code, on CUDA or a CPU: ``with MemoryMeter() as m:``.
 
-    ``m.held_bytes`` is what tensors created since the start still hold (readable
-    inside the block and after it), ``m.peak_bytes`` the highest it reached. On
+    ``m.held_bytes`` is the tensor memory added since the start (readable inside
+    the block and after it; below zero where the block freed tensors that existed
+    before it, more than it kept), ``m.peak_bytes`` the highest it reached. On
     CUDA these come from the caching allocator's counters
     (``memory_allocated``, ``max_memory_allocated``, whose peak is reset at the
-    start); elsewhere from a :class:`TensorMemoryTracker`, which ignores views
+    start); elsewhere from a :class:`TensorMemoryTracker` that counts the release
+    of tensors found at the start too (``count_existing_frees``), and ignores views
     and in-place results.
 
     Args:
@@ -271,7 +329,7 @@ class MemoryMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._start = torch.cuda.memory_allocated(self.device)
         else:
-            self._tracker = TensorMemoryTracker()
+            self._tracker = TensorMemoryTracker(count_existing_frees=True)
             self._tracker.__enter__()
         return self
 
@@ -285,7 +343,8 @@ class MemoryMeter:
 
     @property
     def held_bytes(self) -> int:
-        """Bytes that tensors created since the start still hold."""
+        """Tensor bytes added since the start: what new tensors still hold, less what
+        the tensors that existed at the start have released."""
         if self._tracker is not None:
             return self._tracker.current_bytes
         synchronize(self.device)

@@ -527,7 +527,7 @@ def find_max_batch(trial: Callable[[int], Any], *, start: int = 1, max_batch: in
                 min(1.0, (res0 + budget_bytes) / total), dev)
     else:
         alloc0, res0 = 0, None
-        recorder = TensorMemoryTracker(limit_bytes=budget_bytes)
+        recorder = TensorMemoryTracker(limit_bytes=budget_bytes, count_existing_frees=True)
 
     trials: list[BatchTrial] = []
 
@@ -664,7 +664,8 @@ class memory_budget:
             torch.cuda.set_per_process_memory_fraction(
                 min(1.0, (self._res0 + self.budget_bytes) / total), dev)
         else:
-            self._recorder = TensorMemoryTracker(limit_bytes=self.budget_bytes)
+            self._recorder = TensorMemoryTracker(limit_bytes=self.budget_bytes,
+                                                 count_existing_frees=True)
             self._recorder.__enter__()
         return self
 
