@@ -53,3 +53,15 @@ def test_the_results_page_shows_every_recorded_claim():
         for m in led.measurements.values():
             assert f"| {m.name} |" in page, f"{led.notebook}: {m.name} missing from the page"
     assert "results/local" not in page and "## Files skipped" not in page
+
+
+def test_every_ledger_of_train_py_is_dated_against_train_py():
+    """--benchmark and --fp8-sweep write ledgers of their own names; whether train.py changed
+    since they ran is read from train.py, not from a notebook of that name (there is none)."""
+    from utils.course.report import _version_note
+    from utils.ledger import Ledger
+
+    for name in ("06-capstone/train", "06-capstone/train_benchmark", "06-capstone/train_fp8_sweep"):
+        led = Ledger(name, smoke=False, env={}, strict=False)
+        led.commit = "58a3b41"  # the first H100 run's commit; train.py has changed since
+        assert _version_note(led) == "changed since", name

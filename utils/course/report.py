@@ -244,7 +244,8 @@ def _version_note(led: Ledger) -> str:
     if not commit:
         return ""
     name = led.notebook
-    path = f"{name}.ipynb" if not name.endswith("/train") else f"{name}.py"
+    script = re.fullmatch(r"(.+/train)(?:_[a-z0-9_]+)?", name)  # train.py's ledgers, any kind
+    path = f"{script.group(1)}.py" if script else f"{name}.ipynb"
     if not (REPO_ROOT / path).exists() and (REPO_ROOT / f"{name}.py").exists():
         path = f"{name}.py"   # a command-line script's ledger (compile_benchmark, amp_training)
     if not (REPO_ROOT / path).exists():
