@@ -593,6 +593,12 @@ FP8_SWEEP_WIDTHS = "768,1024,1536,2048,3072,4096"
 #: --fp8-sweep: FP8 "pays" from the smallest width at which it is at least this much faster
 #: than bf16 at every larger width measured.
 FP8_PAYS_AT = 1.1
+#: --fp8-sweep's claim: at the largest width measured, from this width on, FP8 is at least
+#: FP8_LARGE_SPEEDUP x bf16 (FP8 tensor cores do twice bf16's FLOPs; there the matmuls outweigh
+#: the scaling and casting FP8 adds). A conversion that did not take, or casts that cost as much
+#: as the matmuls, lands near 1x.
+FP8_LARGE_WIDTH = 3072
+FP8_LARGE_SPEEDUP = 1.2
 #: train.py's steps when --steps is not given (--benchmark: each run's own, above).
 DEFAULT_STEPS = 200
 #: Steps --benchmark profiles after each compiled run (CUDA only), for the kernel breakdown.
@@ -906,6 +912,16 @@ def fp8_sweep(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list
         ledger.record("fp8_pays_from_width", float(start or 0), "",
                       note=f"smallest width from which FP8 is >= {FP8_PAYS_AT:g}x bf16 at every "
                            "larger width measured; 0: none")
+        widest = max(points, key=lambda p: p.width)
+        ledger.expect("fp8_mlp_speedup_at_largest_width", widest.speedup,
+                      at_least=FP8_LARGE_SPEEDUP, applies=widest.width >= FP8_LARGE_WIDTH,
+                      unit="x", description=f"a GPT block's MLP at width {widest.width}, forward "
+                                            "and backward: bf16 time / FP8 time",
+                      reason=(f"FP8 tensor cores do twice bf16's FLOPs; from width "
+                              f"{FP8_LARGE_WIDTH} the matmuls outweigh FP8's scaling and casts"
+                              if widest.width >= FP8_LARGE_WIDTH else
+                              f"the widest width measured is below {FP8_LARGE_WIDTH}, where the "
+                              "casts can cost as much as FP8 saves"))
         path = ledger.save(Path(args.results) if args.results else
                            utils.results_dir() / "06-capstone__train_fp8_sweep.json")
         print(f"figures: {path}")

@@ -511,8 +511,19 @@ def test_fp8_sweep_times_both_kinds_per_width_and_says_where_fp8_pays(tmp_path, 
     verdict = ("FP8 is at least 1.1x bf16 at every width from 16 on" if p.speedup >= 1.1 else
                "FP8 is not 1.1x bf16 at the largest width measured (16)")
     assert "FP8 speedup" in text and verdict in text, text
-    keys = {m["name"] for m in json.loads(out.read_text())["measurements"]}
+    led = json.loads(out.read_text())
+    keys = {m["name"] for m in led["measurements"]}
     assert {"fp8_mlp_d16_speedup", "fp8_mlp_d16_fp8_tflops", "fp8_pays_from_width"} <= keys
+    (claim,) = [e for e in led["expectations"] if e["name"] == "fp8_mlp_speedup_at_largest_width"]
+    assert claim["status"] == "not applicable", "width 16 is far below where FP8 must pay"
+    # at 4096, a sweep where FP8 barely moves (a conversion that did not take) misses the claim
+    fake = [dataclasses.replace(p, width=w, bf16_ms=10.0, fp8_ms=9.5) for w in (768, 4096)]
+    monkeypatch.setattr(train.ladder, "fp8_mlp_sweep", lambda widths, **kw: fake)
+    train.fp8_sweep(parser.parse_args(["--fp8-sweep", "768,4096", "--device", "cpu",
+                                       "--preset", "gpt2", "--results", str(out)]), parser)
+    (claim,) = [e for e in json.loads(out.read_text())["expectations"]
+                if e["name"] == "fp8_mlp_speedup_at_largest_width"]
+    assert claim["status"] == "not met" and claim["value"] == pytest.approx(10 / 9.5)
 
 
 def test_fp8_pays_from_the_smallest_width_after_which_it_always_pays():
