@@ -284,3 +284,62 @@ def test_allreduce_bench_checks_times_and_debug_demo(launches):
         assert "mismatch" in r["debug"]["error"].lower()
         assert r["debug"]["consistent_call_sum"] == 2
         assert r["env"]["OMP_NUM_THREADS"] == "1" and r["env"]["CUDA_VISIBLE_DEVICES"] == ""
+
+
+FREED_PY = r"""
+import argparse, gc, json, sys, weakref
+sys.path.insert(0, sys.argv[1])
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+import utils.distributed as ud
+import fsdp_memory as fm
+
+gc.disable()  # only run_config's own collections may free anything
+refs = {}
+build = fm.build
+
+
+def recording_build(name, *a, **k):
+    model, inner, opt = build(name, *a, **k)
+    refs[name] = [weakref.ref(p) for p in inner.parameters()]
+    return model, inner, opt
+
+
+fm.build = recording_build
+args = argparse.Namespace(batch=2, steps=1, time_steps=1, lr=1e-3, seed=0, accum=2, accum_fn="",
+                          vocab=64, seq_len=8, n_layer=1, n_head=2, n_embd=16)
+cfg = fm.utils.GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16)
+alive = {}
+with ud.worker(backend="gloo") as w:
+    mesh = init_device_mesh("cpu", (1,))
+    batches = fm.make_batches(cfg, args, w)
+    ref = fm.reference(cfg, args, w, batches)
+    for name in ("ddp", "fsdp2"):
+        fm.run_config(name, cfg, args, w, mesh, batches, ref)
+        alive[name] = sum(r() is not None for r in refs[name])
+print(json.dumps(alive))
+"""
+
+
+def test_fsdp_memory_frees_each_configuration_before_the_next(tmp_path):
+    """A configuration's model must be gone when run_config returns: on the H200 FSDP2's, held
+    in reference cycles, outlived it and counted in the next configuration's CUDA peak (07's
+    offload claim read 0.25 at smoke size). With the collector off, only run_config's own
+    collection can free it, so the test does not depend on when Python collects."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    (tmp_path / "freed.py").write_text(FREED_PY)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, **RANK_ENV, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, str(tmp_path / "freed.py"), str(SCRIPTS)], env=env,
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    alive = json.loads(r.stdout.strip().splitlines()[-1])
+    assert alive == {"ddp": 0, "fsdp2": 0}, f"parameters still alive after run_config: {alive}"

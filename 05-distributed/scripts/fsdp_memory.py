@@ -269,6 +269,7 @@ def step_fn(name, model, opt, args):
 
 def run_config(name, cfg, args, w, mesh, batches, ref):
     cuda = w.device.type == "cuda"
+    gc.collect()  # nothing of an earlier configuration may count in this one's peaks
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(w.device)
@@ -326,7 +327,10 @@ def run_config(name, cfg, args, w, mesh, batches, ref):
         "cuda_build_peak_bytes": build_peak,
         "full_model_bytes": full_bytes,
     }
-    del model, inner, opt  # free before the next configuration (and before the group ends)
+    # Free before the next configuration (and before the group ends). `step` too: its closure
+    # holds the model and the optimizer, and FSDP2's and DDP's hooks keep them in reference
+    # cycles that only the collector frees, so a collection while `step` lives frees nothing.
+    del model, inner, opt, step
     gc.collect()
     return result
 
