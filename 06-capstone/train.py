@@ -740,7 +740,9 @@ def benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list
             reason = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             print(f"=== {run.label}: {reason}", flush=True)
             rows.append({"label": run.label, "versus": run.versus, "skipped": reason})
-            _release_compiled(device_type)
+            result = None
+        if result is None:  # released outside the handler: the exception's traceback holds
+            _release_compiled(device_type)  # the failed run's frames until the handler ends
             continue
         if run.label == "top rung":
             unit_s = time.perf_counter() - t0

@@ -1314,6 +1314,9 @@ def run_rung(name: str, cfg: TrainConfig, model_fn: Callable[[TrainConfig], nn.M
             persistent = tensor_bytes(trainer.model.parameters()) + tensor_bytes(
                 v for st in trainer.optimizer.state.values() for v in st.values()
                 if isinstance(v, torch.Tensor))
+            # the step clears the gradients the timing left: clear them before the meter
+            # starts, or it counts their release against the step's own peak
+            trainer.optimizer.zero_grad(set_to_none=True)
             peak = persistent + measure_peak_memory(trainer.step, xt, yt, device=dev).peak_bytes
             method = "weights + optimizer state + one step's tracked tensors"
         else:

@@ -324,6 +324,9 @@ class MemoryMeter:
 
     def __enter__(self) -> "MemoryMeter":
         self._peak = None
+        # Garbage held only in reference cycles is freed now, not at a collection that could
+        # fall inside the block and lower its count by memory the block never held.
+        gc.collect()
         if self.device.type == "cuda":
             synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
