@@ -343,3 +343,19 @@ def test_fsdp_memory_frees_each_configuration_before_the_next(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     alive = json.loads(r.stdout.strip().splitlines()[-1])
     assert alive == {"ddp": 0, "fsdp2": 0}, f"parameters still alive after run_config: {alive}"
+
+
+def test_ddp_bucket_view_readings_wait_for_memory_to_settle(monkeypatch):
+    """settled_allocated (CUDA only) reads until two readings agree: memory freed a moment after
+    the last run ends must not fall inside the next run's window (bounded, never a hang)."""
+    spec = importlib.util.spec_from_file_location("ddp_train", SCRIPTS / "ddp_train.py")
+    ddp_train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ddp_train)
+    readings = iter([300, 200, 100, 100, 50])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: next(readings))
+    monkeypatch.setattr(ddp_train.time, "sleep", lambda s: None)
+    assert ddp_train.settled_allocated("cuda:0") == 100, "the first value read twice in a row"
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: next(falling))
+    falling = iter(range(1000, 0, -1))
+    assert ddp_train.settled_allocated("cuda:0", tries=5) == 996, "gives up after `tries`"

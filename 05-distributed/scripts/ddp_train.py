@@ -223,6 +223,24 @@ def recording_allreduce_hook(state, bucket):
     return default_hooks.allreduce_hook(None, bucket)
 
 
+def settled_allocated(device, tries=20, pause_s=0.05):
+    """``torch.cuda.memory_allocated`` once two readings 50 ms apart agree (at most 1 s).
+
+    A reading taken right after a run can still count tensors that are freed a moment later,
+    outside this thread (for instance those a finished collective still references); such a
+    release inside the next run's window would count against that run.
+    """
+    now = None
+    for _ in range(tries):
+        gc.collect()
+        torch.cuda.synchronize(device)
+        prev, now = now, torch.cuda.memory_allocated(device)
+        if now == prev:
+            break
+        time.sleep(pause_s)
+    return now
+
+
 def run_bucket_view(a, cfg, w, out):
     """Gradient bytes outside DDP's buckets (and allocated GPU memory) after a backward,
     with and without ``gradient_as_bucket_view``.
@@ -243,7 +261,7 @@ def run_bucket_view(a, cfg, w, out):
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-            base = torch.cuda.memory_allocated(w.device)
+            base = settled_allocated(w.device)
         ddp, opt = build_ddp(cfg, w, a.seed, **opts)
         rec = BucketRecorder()
         ddp.register_comm_hook(rec, recording_allreduce_hook)
@@ -260,8 +278,10 @@ def run_bucket_view(a, cfg, w, out):
                                               if not rec.holds(g)),
             "bucket_bytes": sum(rec.storages.values()),
             "buckets": len(rec.storages),
-            "cuda_allocated_bytes": (torch.cuda.memory_allocated(w.device) - base
-                                     if cuda else None),
+            "cuda_allocated_bytes": settled_allocated(w.device) - base if cuda else None,
+            # where the window started: the H200's smoke run read 3x the gradient bytes saved,
+            # not 1x; the bases say whether the second run started lower
+            "cuda_base_bytes": base if cuda else None,
         }
         del ddp, opt, grads
     return res
