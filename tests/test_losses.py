@@ -167,3 +167,39 @@ def test_bad_arguments_are_rejected_clearly(call, error, match):
     hidden, weight, targets = _problem(n=8, c=6, v=10)
     with pytest.raises(error, match=match):
         call(hidden.detach(), weight.detach(), targets)
+
+
+def test_compiled_it_saves_for_backward_what_eager_saves_not_the_logits():
+    """Traced by torch.compile as Python, the chunk loops were unrolled and the compiler saved
+    every chunk's logits for backward (the whole logits' memory: what the H200 run's 'chunked
+    loss' row showed as more memory, not less). Compiled, it is one opaque operator now: the
+    same saved tensors as eager (the inputs and one number per token), the same loss and
+    gradients, one graph."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    n, c, v = 256, 32, 1024
+    hidden, weight, targets = _problem(n=n, c=c, v=v, ignore=-100)
+    logits_bytes = n * v * 4
+
+    def loss_fn(h, w, t):
+        return chunked(h, w, t, chunk_tokens=32)
+
+    results = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("inductor")  # Inductor, graphs counted
+        fn = torch.compile(loss_fn, backend=counter) if compiled else loss_fn
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t):
+            loss = fn(hidden, weight, targets)
+        loss.backward()
+        if compiled:
+            assert counter.frame_count == 1, "one graph, no break around the operator"
+        results[compiled] = (sum(saved), loss.detach(), hidden.grad, weight.grad)
+        hidden.grad = weight.grad = None
+    eager_saved, compiled_saved = results[False][0], results[True][0]
+    assert eager_saved < logits_bytes / 4, eager_saved
+    assert compiled_saved <= eager_saved, (compiled_saved, eager_saved, logits_bytes)
+    for a, b in zip(results[False][1:], results[True][1:]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

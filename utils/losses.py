@@ -16,6 +16,12 @@ adds that chunk's share to the gradients of the hidden states and of the
 weight. No ``tokens x V`` tensor ever exists whole: the logits exist one chunk
 (``chunk_tokens x V``) at a time. The price is the output matmul run twice (once
 more in backward), a third more FLOPs for this layer.
+
+Eagerly it is a ``torch.autograd.Function``, whose every operation dispatch modes see
+(the course's memory tracker and FLOP counter among them). Under ``torch.compile`` it is
+one custom operator (``torch.library.custom_op``, with its backward registered), so that
+the compiler keeps the chunking: traced as Python, the compiled graphs saved every
+chunk's logits for backward.
 """
 
 from __future__ import annotations
@@ -39,80 +45,151 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return hidden.dtype
 
 
+def _chunked_forward(hidden, weight, targets, chunk, ignore_index, mean, cdt, classes):
+    """The loss (mean or sum over the valid rows) and each row's log-sum-exp, a chunk of rows
+    at a time. ``hidden`` is ``(N, C)``, ``weight`` ``(V, C)``, ``targets`` ``(N,)``."""
+    acc = torch.float64 if cdt == torch.float64 else torch.float32
+    dev = hidden.device.type
+    n = hidden.shape[0]
+    valid = targets != ignore_index
+    safe = torch.where(valid, targets, torch.zeros_like(targets))  # ignored rows: class 0
+    lse = torch.empty(n, dtype=acc, device=hidden.device)
+    total = torch.zeros((), dtype=acc, device=hidden.device)
+    with torch.autocast(device_type=dev, enabled=False):
+        w = weight.to(cdt)
+        for start in range(0, n, chunk):
+            sl = slice(start, start + chunk)
+            logits = torch.mm(hidden[sl].to(cdt), w.t()).to(acc)  # (chunk, V): the only one
+            if classes < logits.shape[1]:  # padded rows: out of the softmax
+                logits[:, classes:] = float("-inf")
+            picked = logits.gather(1, safe[sl].unsqueeze(1)).squeeze(1)
+            top = logits.amax(dim=1, keepdim=True)
+            logits.sub_(top).exp_()  # in place: no second (chunk, V) tensor
+            chunk_lse = logits.sum(dim=1).log_().add_(top.squeeze(1))
+            lse[sl] = chunk_lse
+            total += torch.where(valid[sl], chunk_lse - picked, 0).sum()
+            del logits
+    return (total / valid.sum().to(acc) if mean else total), lse
+
+
+def _chunked_backward(grad_out, hidden, weight, targets, lse, chunk, ignore_index, mean, cdt,
+                      classes, want_h, want_w):
+    """The gradients of :func:`_chunked_forward`'s loss to ``hidden`` and ``weight`` (``None``
+    where not wanted), the logits computed again a chunk at a time."""
+    acc = lse.dtype
+    n = hidden.shape[0]
+    valid = targets != ignore_index
+    safe = torch.where(valid, targets, torch.zeros_like(targets))
+    g = grad_out.to(acc)
+    if mean:
+        g = g / valid.sum().to(acc)
+    # d loss / d logits = g * (softmax - one_hot(target)) on valid rows, 0 on ignored ones
+    row_scale = torch.where(valid, g, torch.zeros((), dtype=acc, device=lse.device))
+    grad_h = torch.empty_like(hidden) if want_h else None
+    grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
+    minus_one = torch.full((1, 1), -1.0, dtype=acc, device=lse.device)
+    with torch.autocast(device_type=hidden.device.type, enabled=False):
+        w = weight.to(cdt)
+        for start in range(0, n, chunk):
+            sl = slice(start, start + chunk)
+            h = hidden[sl].to(cdt)
+            probs = torch.mm(h, w.t()).to(acc)
+            if classes < probs.shape[1]:  # padded rows: probability 0, no gradient
+                probs[:, classes:] = float("-inf")
+            probs.sub_(lse[sl].unsqueeze(1)).exp_()  # softmax, in place
+            rows = probs.shape[0]
+            probs.scatter_add_(1, safe[sl].unsqueeze(1), minus_one.expand(rows, 1))
+            probs.mul_(row_scale[sl].unsqueeze(1))  # now the gradient of these logits
+            dlogits = probs if cdt == acc else probs.to(cdt)
+            if want_h:
+                if grad_h.dtype == cdt:
+                    torch.mm(dlogits, w, out=grad_h[sl])
+                else:
+                    grad_h[sl] = torch.mm(dlogits, w)
+            if want_w:
+                if cdt == acc:  # out= rather than addmm_: FLOP counters see addmm
+                    torch.addmm(grad_w, dlogits.t(), h, out=grad_w)
+                else:  # a (V, C) product in cdt, added in fp32 across chunks
+                    grad_w.add_(torch.mm(dlogits.t(), h))
+            del probs, dlogits
+    if grad_w is not None and grad_w.dtype != weight.dtype:
+        grad_w = grad_w.to(weight.dtype)
+    return grad_h, grad_w
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """``cross_entropy(hidden @ weight.T, targets)`` in chunks of rows, logits recomputed in
-    backward. ``hidden`` is ``(N, C)``, ``weight`` ``(V, C)``, ``targets`` ``(N,)``."""
+    backward (eager: every op inside is visible to dispatch modes, the course's memory tracker
+    and FLOP counter among them)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk, ignore_index, reduction, cdt, classes):
-        acc = torch.float64 if cdt == torch.float64 else torch.float32
-        dev = hidden.device.type
-        n = hidden.shape[0]
-        valid = targets != ignore_index
-        safe = torch.where(valid, targets, torch.zeros_like(targets))  # ignored rows: class 0
-        lse = torch.empty(n, dtype=acc, device=hidden.device)
-        total = torch.zeros((), dtype=acc, device=hidden.device)
-        with torch.autocast(device_type=dev, enabled=False):
-            w = weight.to(cdt)
-            for start in range(0, n, chunk):
-                sl = slice(start, start + chunk)
-                logits = torch.mm(hidden[sl].to(cdt), w.t()).to(acc)  # (chunk, V): the only one
-                if classes < logits.shape[1]:  # padded rows: out of the softmax
-                    logits[:, classes:] = float("-inf")
-                picked = logits.gather(1, safe[sl].unsqueeze(1)).squeeze(1)
-                top = logits.amax(dim=1, keepdim=True)
-                logits.sub_(top).exp_()  # in place: no second (chunk, V) tensor
-                chunk_lse = logits.sum(dim=1).log_().add_(top.squeeze(1))
-                lse[sl] = chunk_lse
-                total += torch.where(valid[sl], chunk_lse - picked, 0).sum()
-                del logits
-        n_valid = valid.sum().to(acc)
-        ctx.save_for_backward(hidden, weight, safe, valid, lse, n_valid)
-        ctx.chunk, ctx.cdt, ctx.reduction, ctx.classes = chunk, cdt, reduction, classes
-        return total / n_valid if reduction == "mean" else total
+    def forward(ctx, hidden, weight, targets, chunk, ignore_index, mean, cdt, classes):
+        loss, lse = _chunked_forward(hidden, weight, targets, chunk, ignore_index, mean, cdt,
+                                     classes)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.args = (chunk, ignore_index, mean, cdt, classes)
+        return loss
 
     @staticmethod
     def backward(ctx, grad_out):
-        hidden, weight, safe, valid, lse, n_valid = ctx.saved_tensors
-        cdt, chunk = ctx.cdt, ctx.chunk
-        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        acc = lse.dtype
-        n = hidden.shape[0]
-        g = grad_out.to(acc)
-        if ctx.reduction == "mean":
-            g = g / n_valid
-        # d loss / d logits = g * (softmax - one_hot(target)) on valid rows, 0 on ignored ones
-        row_scale = torch.where(valid, g, torch.zeros((), dtype=acc, device=lse.device))
-        grad_h = torch.empty_like(hidden) if want_h else None
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
-        minus_one = torch.full((1, 1), -1.0, dtype=acc, device=lse.device)
-        with torch.autocast(device_type=hidden.device.type, enabled=False):
-            w = weight.to(cdt)
-            for start in range(0, n, chunk):
-                sl = slice(start, start + chunk)
-                h = hidden[sl].to(cdt)
-                probs = torch.mm(h, w.t()).to(acc)
-                if ctx.classes < probs.shape[1]:  # padded rows: probability 0, no gradient
-                    probs[:, ctx.classes:] = float("-inf")
-                probs.sub_(lse[sl].unsqueeze(1)).exp_()  # softmax, in place
-                rows = probs.shape[0]
-                probs.scatter_add_(1, safe[sl].unsqueeze(1), minus_one.expand(rows, 1))
-                probs.mul_(row_scale[sl].unsqueeze(1))  # now the gradient of these logits
-                dlogits = probs if cdt == acc else probs.to(cdt)
-                if want_h:
-                    if grad_h.dtype == cdt:
-                        torch.mm(dlogits, w, out=grad_h[sl])
-                    else:
-                        grad_h[sl] = torch.mm(dlogits, w)
-                if want_w:
-                    if cdt == acc:  # out= rather than addmm_: FLOP counters see addmm
-                        torch.addmm(grad_w, dlogits.t(), h, out=grad_w)
-                    else:  # a (V, C) product in cdt, added in fp32 across chunks
-                        grad_w.add_(torch.mm(dlogits.t(), h))
-                del probs, dlogits
-        if grad_w is not None and grad_w.dtype != weight.dtype:
-            grad_w = grad_w.to(weight.dtype)
+        hidden, weight, targets, lse = ctx.saved_tensors
+        grad_h, grad_w = _chunked_backward(grad_out, hidden, weight, targets, lse, *ctx.args,
+                                           ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         return grad_h, grad_w, None, None, None, None, None, None
+
+
+# Under torch.compile the loss is one custom operator, opaque to the compiler. Traced as Python
+# instead, the chunk loops were unrolled into the compiled graphs, and the compiler moved
+# backward's work on each chunk's logits into forward and saved the results for backward: as
+# much memory as the whole logits (tests/test_losses.py measures what forward saves).
+@torch.library.custom_op("course_utils::chunked_linear_cross_entropy", mutates_args=())
+def _chunked_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+                ignore_index: int, mean: bool, cdt: torch.dtype,
+                classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _chunked_forward(hidden, weight, targets, chunk, ignore_index, mean, cdt, classes)
+
+
+@_chunked_op.register_fake
+def _(hidden, weight, targets, chunk, ignore_index, mean, cdt, classes):
+    acc = torch.float64 if cdt == torch.float64 else torch.float32
+    return hidden.new_empty((), dtype=acc), hidden.new_empty((hidden.shape[0],), dtype=acc)
+
+
+@torch.library.custom_op("course_utils::chunked_linear_cross_entropy_backward", mutates_args=())
+def _chunked_op_backward(grad_out: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                         targets: torch.Tensor, lse: torch.Tensor, chunk: int, ignore_index: int,
+                         mean: bool, cdt: torch.dtype, classes: int, want_h: bool,
+                         want_w: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_h, grad_w = _chunked_backward(grad_out, hidden, weight, targets, lse, chunk,
+                                       ignore_index, mean, cdt, classes, want_h, want_w)
+    # an operator returns tensors: an empty one stands for a gradient not asked for
+    return (grad_h if grad_h is not None else hidden.new_empty((0,)),
+            grad_w if grad_w is not None else weight.new_empty((0,)))
+
+
+@_chunked_op_backward.register_fake
+def _(grad_out, hidden, weight, targets, lse, chunk, ignore_index, mean, cdt, classes, want_h,
+      want_w):
+    return (torch.empty_like(hidden) if want_h else hidden.new_empty((0,)),
+            torch.empty_like(weight) if want_w else weight.new_empty((0,)))
+
+
+def _op_setup_context(ctx, inputs, output):
+    hidden, weight, targets, chunk, ignore_index, mean, cdt, classes = inputs
+    ctx.save_for_backward(hidden, weight, targets, output[1])
+    ctx.args = (chunk, ignore_index, mean, cdt, classes)
+
+
+def _op_backward(ctx, grad_loss, grad_lse):
+    hidden, weight, targets, lse = ctx.saved_tensors
+    want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    grad_h, grad_w = _chunked_op_backward(grad_loss, hidden, weight, targets, lse, *ctx.args,
+                                          want_h, want_w)
+    return (grad_h if want_h else None, grad_w if want_w else None,
+            None, None, None, None, None, None)
+
+
+_chunked_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 
 
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
@@ -190,6 +267,8 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
         raise ValueError(f"num_classes must be an int from 1 to the weight's {weight.shape[0]} "
                          f"rows, got {num_classes!r}")
     cdt = _compute_dtype(hidden, weight)
-    return _ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
-                                            targets.reshape(-1), chunk_tokens, ignore_index,
-                                            reduction, cdt, classes)
+    args = (hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), chunk_tokens,
+            ignore_index, reduction == "mean", cdt, classes)
+    if torch.compiler.is_compiling():
+        return _chunked_op(*args)[0]
+    return _ChunkedLinearCrossEntropy.apply(*args)
