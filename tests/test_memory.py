@@ -247,3 +247,38 @@ def test_memory_budget_reports_the_gradients_a_block_cleared_below_its_start():
         model(torch.randn(4, 256)).sum().backward()
         model.zero_grad(set_to_none=True)
     assert budget.allocated_left_bytes == 0
+
+
+def test_meter_pauses_automatic_garbage_collection_inside_its_block():
+    """Garbage made before the block (a reference cycle holding a tensor) must not be freed by
+    an automatic collection inside it, which would lower the count at a moment no one chose;
+    an explicit gc.collect() still runs, and the collector is back on after the block."""
+    import gc
+
+    from utils.memory import MemoryMeter
+
+    class Node:
+        pass
+
+    def make_garbage():
+        node = Node()
+        node.self, node.tensor = node, torch.ones(256, 1024)  # 1 MiB, only a cycle holds it
+
+    assert gc.isenabled()
+    gc.collect()
+    make_garbage()
+    with MemoryMeter("cpu") as m:
+        junk = [[] for _ in range(50_000)]  # enough new containers to trigger collections
+        del junk
+        assert m.held_bytes == 0, "the cycle made before the block was collected inside it"
+        assert not gc.isenabled()
+        gc.collect()  # asked for: it runs, and the release of the old tensor counts
+        assert m.held_bytes == -MIB
+    assert gc.isenabled(), "the collector is back on after the block"
+    gc.disable()
+    try:
+        with MemoryMeter("cpu"):
+            pass
+        assert not gc.isenabled(), "a collector the caller had turned off stays off"
+    finally:
+        gc.enable()
