@@ -524,6 +524,13 @@ def test_fp8_sweep_times_both_kinds_per_width_and_says_where_fp8_pays(tmp_path, 
     (claim,) = [e for e in json.loads(out.read_text())["expectations"]
                 if e["name"] == "fp8_mlp_speedup_at_largest_width"]
     assert claim["status"] == "not met" and claim["value"] == pytest.approx(10 / 9.5)
+    # a sweep at fewer tokens than the preset's is not what the claim is about
+    train.fp8_sweep(parser.parse_args(["--fp8-sweep", "768,4096", "--device", "cpu",
+                                       "--preset", "gpt2", "--batch-size", "4",
+                                       "--results", str(out)]), parser)
+    (claim,) = [e for e in json.loads(out.read_text())["expectations"]
+                if e["name"] == "fp8_mlp_speedup_at_largest_width"]
+    assert claim["status"] == "not applicable" and "4096 tokens" in claim["reason"]
 
 
 def test_fp8_pays_from_the_smallest_width_after_which_it_always_pays():

@@ -282,3 +282,25 @@ def test_meter_pauses_automatic_garbage_collection_inside_its_block():
         assert not gc.isenabled(), "a collector the caller had turned off stays off"
     finally:
         gc.enable()
+
+
+def test_meter_scan_survives_odd_tensors_and_leaves_no_watchers_behind():
+    """The scan for existing tensors meets whatever a session holds: a lazy module's
+    uninitialized parameter (no storage) must not stop the meter, and the watchers it sets on
+    existing storages go when the meter does (a loop of meters must not pile them up)."""
+    import gc
+    import weakref
+
+    from utils.memory import MemoryMeter
+
+    lazy = torch.nn.LazyLinear(8)  # an UninitializedParameter until its first call
+    kept = torch.ones(16)
+    before = len([f for f in weakref.finalize._registry.values()])
+    with MemoryMeter("cpu") as m:
+        x = torch.ones(256, 1024)
+    assert m.held_bytes == MIB and lazy is not None
+    del m, x
+    gc.collect()
+    after = len([f for f in weakref.finalize._registry.values()])
+    assert after <= before, (before, after)
+    del kept

@@ -146,6 +146,11 @@ def _release_existing(tracker_ref: "weakref.ref[TensorMemoryTracker]",
         tracker._release_existing_key(key)
 
 
+def _detach_all(handles: list) -> None:
+    for h in handles:
+        h.detach()
+
+
 class TensorMemoryTracker(TorchDispatchMode):
     """Counts the bytes of tensor storage allocated while active, and their peak.
 
@@ -213,6 +218,7 @@ class TensorMemoryTracker(TorchDispatchMode):
         """Watch the storages of the CPU tensors that exist now, for their release."""
         self._existing = set()
         me = weakref.ref(self)
+        handles: list[weakref.finalize] = []
         objects = gc.get_objects()
         # The tensor types among the objects' types, then the tensors, filtered in C: a
         # Python loop over a notebook's few hundred thousand objects costs tens of ms.
@@ -229,14 +235,19 @@ class TensorMemoryTracker(TorchDispatchMode):
             except Exception:  # noqa: BLE001 - a subclass whose attributes fail
                 continue
             for t in found:
-                try:  # a storage offloading hooks have swapped out has no data pointer
+                # a storage offloading hooks swapped out has no data pointer, and a lazy
+                # module's uninitialized parameter no storage: neither is memory to watch
+                try:
                     key = _storage_key(t)
                     if key is None or key[0].type != "cpu" or key in self._existing:
                         continue
-                    weakref.finalize(t.untyped_storage(), _release_existing, me, key)
-                except RuntimeError:
+                    handles.append(weakref.finalize(t.untyped_storage(), _release_existing, me,
+                                                    key))
+                except Exception:  # noqa: BLE001
                     continue
                 self._existing.add(key)
+        # the watchers go with the tracker: tensors that outlive it keep no callback of it
+        weakref.finalize(self, _detach_all, handles)
 
     def _release_existing_key(self, key: tuple[Any, int, int]) -> None:
         if self._existing is not None and key in self._existing:
