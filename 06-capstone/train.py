@@ -917,18 +917,17 @@ def fp8_sweep(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list
                       note=f"smallest width from which FP8 is >= {FP8_PAYS_AT:g}x bf16 at every "
                            "larger width measured; 0: none")
         widest = max(points, key=lambda p: p.width)
+        large = widest.width >= FP8_LARGE_WIDTH and tokens >= FP8_LARGE_TOKENS
         ledger.expect("fp8_mlp_speedup_at_largest_width", widest.speedup,
-                      at_least=FP8_LARGE_SPEEDUP,
-                      applies=widest.width >= FP8_LARGE_WIDTH and tokens >= FP8_LARGE_TOKENS,
-                      unit="x", description=f"a GPT block's MLP at width {widest.width}, forward "
-                                            "and backward: bf16 time / FP8 time",
+                      at_least=FP8_LARGE_SPEEDUP, applies=large, unit="x",
+                      description=f"a GPT block's MLP at width {widest.width}, forward and "
+                                  "backward: bf16 time / FP8 time",
                       reason=(f"FP8 tensor cores do twice bf16's FLOPs; from width "
                               f"{FP8_LARGE_WIDTH} the matmuls outweigh FP8's scaling and casts"
-                              if widest.width >= FP8_LARGE_WIDTH and tokens >= FP8_LARGE_TOKENS
-                              else f"needs a width of {FP8_LARGE_WIDTH} or more and "
-                                   f"{FP8_LARGE_TOKENS} tokens or more (here width {widest.width}, "
-                                   f"{tokens} tokens): below, the casts can cost as much as FP8 "
-                                   "saves"))
+                              if large else
+                              f"needs a width of {FP8_LARGE_WIDTH} or more and "
+                              f"{FP8_LARGE_TOKENS} tokens or more (here width {widest.width}, "
+                              f"{tokens} tokens): below, the casts can cost as much as FP8 saves"))
         path = ledger.save(Path(args.results) if args.results else
                            utils.results_dir() / "06-capstone__train_fp8_sweep.json")
         print(f"figures: {path}")
