@@ -309,14 +309,10 @@ def test_every_claim_of_the_issue_has_a_row_and_every_source_exists():
 
 
 def test_the_ladder_keys_in_the_registry_are_rungs_the_capstone_records():
-    """06-capstone/01_speedup_ladder records f"{key(rung.name)}_ms_per_step" (and
-    _speedup_vs_fp32) for every rung of utils.ladder.default_ladder(amp)."""
-    import re
-
-    def key(name):   # the notebook's own rule
-        return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
-
-    recorded = {f"{key(r.name)}_{what}" for amp in ("bf16", "fp16")
+    """06-capstone/01_speedup_ladder records f"{rung_key(rung.name)}_ms_per_step" (and
+    _speedup_vs_fp32) for every rung of utils.ladder.default_ladder(amp), through
+    utils.ladder.record_rungs."""
+    recorded = {f"{ladder.rung_key(r.name)}_{what}" for amp in ("bf16", "fp16")
                 for r in ladder.default_ladder(amp) for what in ("ms_per_step", "speedup_vs_fp32")}
     used = {k for c in claims.CLAIMS for t in c.tests for ev in t.evidence
             if ev.notebook == "06-capstone/01_speedup_ladder"

@@ -50,8 +50,8 @@ def _call_name(node: ast.AST) -> str | None:
 
 
 def _bound(node: ast.AST) -> set[str]:
-    """Names an assignment, for-target or del inside ``node`` binds (function bodies too: a
-    lambda or def inside a window binds nothing until called, and none of ours is)."""
+    """Names an assignment, for-target or del inside ``node`` binds, the bodies of functions
+    defined inside it included (a conservative reading: they bind only when called)."""
     out: set[str] = set()
     for n in ast.walk(node):
         if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Store, ast.Del)):

@@ -226,7 +226,9 @@ def random_qkv(batch: int, heads: int, seq: int, head_dim: int, *,
 def attention_step(attn: Any) -> Any:
     """A training step of attention alone, to time or measure: ``run(q, k, v, grad_out)``
     clears the three inputs' gradients, runs ``attn(q, k, v)`` forward, then backward from
-    ``grad_out``."""
+    ``grad_out``. The gradients stay for the caller to read. To measure its memory, clear
+    them before the meter starts: ``run`` frees an earlier call's inside it otherwise, and the
+    count drops by their size (on CUDA, and with the course's CPU meter)."""
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor) -> None:
         for t in (q, k, v):
             t.grad = None
