@@ -782,8 +782,7 @@ def print_benchmark_table(rows: list[dict], device_type: str, breakdown: bool = 
     kernel kind."""
     ran = _ran(rows)
     width = max(len(r["label"]) for r in rows)
-    print(f"\nFLOPs: {BENCHMARK_CONVENTION}; padded vocabulary rows are not counted, nor what "
-          "the chunked loss computes again in backward (the head's matmul).")
+    print(f"\nFLOPs: {BENCHMARK_CONVENTION}; padded vocabulary rows are not counted.")
     print(f"{'run':<{width}} {'vocab (padded)':>15} {'batch':>5} {'tokens/s':>11} {'TFLOP/s':>8} "
           f"{'MFU measured':>13} {'MFU datasheet':>14} {'peak GiB':>8}  gain")
     for r in rows:

@@ -199,10 +199,10 @@ class TrainConfig:
         accum_steps: micro-batches per optimizer step. The batch a step sees stays the
             same; a smaller ``accum_steps`` means a larger micro-batch.
         loss: ``"plain"`` (the head's logits, then ``F.cross_entropy``) or ``"chunked"``
-            (:func:`utils.losses.chunked_linear_cross_entropy` in :data:`LOSS_CHUNKS` chunks:
-            the same loss and gradients, the logits never whole, the head's matmul run once
-            more in backward). The chunked loss needs a TinyGPT-like model
-            (:func:`gpt_hidden_states`).
+            (:func:`utils.losses.chunked_linear_cross_entropy` in :data:`LOSS_CHUNKS` chunks,
+            its gradients computed in forward: the same loss and gradients, the logits never
+            whole, the head's matmul run once, as in the plain loss). The chunked loss needs a
+            TinyGPT-like model (:func:`gpt_hidden_states`).
         fp8: the linear layers :func:`fp8_module_filter` picks run their matmuls in FP8
             (torchao's float8 training, dynamic tensorwise scaling: :func:`convert_to_fp8`),
             applied by the :class:`Trainer` before compiling. Pays only on CUDA sm89+
@@ -319,8 +319,9 @@ class TrainConfig:
         g.add_argument("--loss", choices=LOSSES, default=None,
                        help="plain: the head's logits, then cross-entropy; chunked: the head "
                             f"and the loss as one function, 1/{LOSS_CHUNKS} of the tokens' logits "
-                            "at a time (utils.chunked_linear_cross_entropy, module 04): the same "
-                            "loss, less memory, the head's matmul once more")
+                            "at a time, gradients computed in forward "
+                            "(utils.chunked_linear_cross_entropy, module 04): the same loss and "
+                            "FLOPs, less memory")
         g.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=None,
                        help="the transformer blocks' linear layers in FP8 (torchao's float8 "
                             "training; the head and the embedding stay as they are); needs a "
@@ -568,7 +569,8 @@ class LossModule(nn.Module):
     With ``loss="chunked"`` the head and the loss are one function,
     :func:`utils.losses.chunked_linear_cross_entropy` with the head's first ``num_classes``
     rows as the classes (the matmuls keep the padded head's aligned shape), in ``chunks``
-    chunks of the micro-batch's tokens: the same loss and gradients, and no tensor of all the
+    chunks of the micro-batch's tokens, its gradients computed in forward
+    (``grads_in_forward=True``): the same loss, gradients and FLOPs, and no tensor of all the
     logits (the model must be TinyGPT-like: :func:`gpt_hidden_states`, and a head without
     bias).
 
@@ -619,7 +621,8 @@ class LossModule(nn.Module):
             # the real classes only, as below; the padded rows stay in the matmuls' shape
             return chunked_linear_cross_entropy(gpt_hidden_states(self.model, inputs), weight,
                                                 targets, chunk_tokens=-(-n // self.chunks),
-                                                num_classes=self.num_classes)
+                                                num_classes=self.num_classes,
+                                                grads_in_forward=True)
         logits = self.model(inputs)
         if self.num_classes is not None and logits.shape[-1] != self.num_classes:
             if logits.shape[-1] < self.num_classes:

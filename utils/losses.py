@@ -17,11 +17,27 @@ weight. No ``tokens x V`` tensor ever exists whole: the logits exist one chunk
 (``chunk_tokens x V``) at a time. The price is the output matmul run twice (once
 more in backward), a third more FLOPs for this layer.
 
-Eagerly it is a ``torch.autograd.Function``, whose every operation dispatch modes see
-(the course's memory tracker and FLOP counter among them). Under ``torch.compile`` it is
-one custom operator (``torch.library.custom_op``, with its backward registered), so that
-the compiler keeps the chunking: traced as Python, the compiled graphs saved every
-chunk's logits for backward.
+With ``grads_in_forward=True`` it takes the other road, the one Liger Kernel's fused
+linear cross-entropy takes: the forward pass computes each chunk's logits once, turns
+them at once into the gradient of those logits, and adds the chunk's share to the
+gradients of the hidden states and of the weight; it saves those two gradients, and the
+backward pass only scales them by the loss's incoming gradient. The matmul runs once, no
+more FLOPs than the plain loss, and the memory held from forward to backward is the two
+gradients instead of one number per token. The gradients are computed whenever autograd
+will want them (grad mode on, an input that requires grad), even if ``backward`` is
+never called.
+
+Eagerly both are a ``torch.autograd.Function``, whose every operation dispatch modes see
+(the course's memory tracker and FLOP counter among them). Under ``torch.compile`` the
+recomputing version is one custom operator (``torch.library.custom_op``, with its backward
+registered), so that the compiler keeps the chunking: traced as Python, the compiled graphs
+saved every chunk's logits for backward. The gradients-in-forward version is traced as
+Python: its backward needs no logits, so there is nothing of theirs to save, and the
+compiler fuses each chunk's element-wise work (the log-sum-exp, the softmax, the one-hot
+subtraction, the scaling and the cast) between the matmuls: on a CPU, Inductor makes one
+kernel of them per chunk (``tests/test_losses.py`` reads its generated code). Under bf16
+autocast Inductor may keep each chunk's bf16 share of the weight's gradient and add them up
+in backward, at most one ``(V, C)`` tensor per chunk, still far from the logits' size.
 """
 
 from __future__ import annotations
@@ -117,6 +133,110 @@ def _chunked_backward(grad_out, hidden, weight, targets, lse, chunk, ignore_inde
     return grad_h, grad_w
 
 
+def _logits_to_grad(logits, safe, row_scale, classes):
+    """One chunk's log-sum-exps, target logits and logit gradients (``row_scale`` times
+    ``softmax - one_hot(target)``, 0 for the padded classes), from its ``(rows, V)`` logits
+    in the accumulation dtype.
+
+    Eagerly it works in place, turning ``logits`` into the gradient: no second ``(rows, V)``
+    tensor. Traced by ``torch.compile`` it is written as one expression of element-wise
+    operations and reductions, which the compiler fuses; in-place ``scatter_add_`` would cut
+    the fusion in two and cost a pass over the chunk."""
+    picked = logits.gather(1, safe.unsqueeze(1)).squeeze(1)
+    if torch.compiler.is_compiling():
+        cols = torch.arange(logits.shape[1], device=logits.device)
+        if classes < logits.shape[1]:
+            logits = torch.where(cols < classes, logits, float("-inf"))
+        lse = torch.logsumexp(logits, dim=1)
+        target = cols == safe.unsqueeze(1)
+        grad = (torch.exp(logits - lse.unsqueeze(1)) - target.to(logits.dtype)) \
+            * row_scale.unsqueeze(1)
+        return lse, picked, grad
+    if classes < logits.shape[1]:  # padded rows: out of the softmax, no gradient
+        logits[:, classes:] = float("-inf")
+    top = logits.amax(dim=1, keepdim=True)
+    logits.sub_(top).exp_()
+    total = logits.sum(dim=1, keepdim=True)
+    lse = total.log().add_(top).squeeze(1)
+    logits.div_(total)  # the softmax
+    minus_one = torch.full((1, 1), -1.0, dtype=logits.dtype, device=logits.device)
+    logits.scatter_add_(1, safe.unsqueeze(1), minus_one.expand(logits.shape[0], 1))
+    logits.mul_(row_scale.unsqueeze(1))
+    return lse, picked, logits
+
+
+def _chunked_forward_with_grads(hidden, weight, targets, chunk, ignore_index, mean, cdt,
+                                classes, want_h, want_w):
+    """:func:`_chunked_forward`'s loss together with its gradients to ``hidden`` and
+    ``weight`` for an incoming gradient of 1 (``None`` where not wanted): each chunk's
+    logits are computed once and turned into their gradient at once."""
+    acc = torch.float64 if cdt == torch.float64 else torch.float32
+    n = hidden.shape[0]
+    valid = targets != ignore_index
+    safe = torch.where(valid, targets, torch.zeros_like(targets))
+    count = valid.sum().to(acc)
+    one = torch.ones((), dtype=acc, device=hidden.device)
+    # d loss / d logits = row_scale * (softmax - one_hot(target)); 0 on ignored rows
+    row_scale = torch.where(valid, one / count if mean else one, torch.zeros_like(one))
+    total = torch.zeros((), dtype=acc, device=hidden.device)
+    compiling = torch.compiler.is_compiling()
+    grad_h = torch.empty_like(hidden) if want_h and not compiling else None
+    pieces = []  # compiled: grad_h's chunks
+    grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
+    with torch.autocast(device_type=hidden.device.type, enabled=False):
+        w = weight.to(cdt)
+        for start in range(0, n, chunk):
+            sl = slice(start, start + chunk)
+            h = hidden[sl].to(cdt)
+            logits = torch.mm(h, w.t()).to(acc)  # (chunk, V): the only one
+            lse, picked, grad = _logits_to_grad(logits, safe[sl], row_scale[sl], classes)
+            total = total + torch.where(valid[sl], lse - picked, 0).sum()
+            dlogits = grad.to(cdt)
+            if want_h:
+                if compiling:  # joined once at the end: the matmuls can write in place
+                    pieces.append(torch.mm(dlogits, w))
+                elif grad_h.dtype == cdt:
+                    torch.mm(dlogits, w, out=grad_h[sl])
+                else:
+                    grad_h[sl] = torch.mm(dlogits, w)
+            if want_w:
+                # eagerly in place (no second (V, C) tensor); for the compiler, functional
+                if cdt == acc:
+                    grad_w = torch.addmm(grad_w, dlogits.t(), h, out=None if compiling else grad_w)
+                elif compiling:
+                    grad_w = grad_w + torch.mm(dlogits.t(), h)
+                else:  # a (V, C) product in cdt, added in fp32 across chunks
+                    grad_w.add_(torch.mm(dlogits.t(), h))
+            del logits, grad, dlogits
+    if pieces:
+        grad_h = torch.cat(pieces).to(hidden.dtype)
+    if grad_w is not None and grad_w.dtype != weight.dtype:
+        grad_w = grad_w.to(weight.dtype)
+    return (total / count if mean else total), grad_h, grad_w
+
+
+class _ChunkedGradsInForward(torch.autograd.Function):
+    """``cross_entropy(hidden @ weight.T, targets)`` in chunks of rows, its gradients computed
+    in forward and saved; backward scales them by the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk, ignore_index, mean, cdt, classes, want_h,
+                want_w):
+        loss, grad_h, grad_w = _chunked_forward_with_grads(
+            hidden, weight, targets, chunk, ignore_index, mean, cdt, classes, want_h, want_w)
+        ctx.save_for_backward(grad_h, grad_w)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        # the loss is linear in its incoming gradient: scale, new tensors (retain_graph may
+        # call this again on the same saved ones)
+        return (grad_h * grad_out if grad_h is not None else None,
+                grad_w * grad_out if grad_w is not None else None,
+                None, None, None, None, None, None, None, None)
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """``cross_entropy(hidden @ weight.T, targets)`` in chunks of rows, logits recomputed in
     backward (eager: every op inside is visible to dispatch modes, the course's memory tracker
@@ -195,7 +315,8 @@ _chunked_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
                                  targets: torch.Tensor, *, chunk_tokens: int,
                                  ignore_index: int = -100, reduction: str = "mean",
-                                 num_classes: int | None = None) -> torch.Tensor:
+                                 num_classes: int | None = None,
+                                 grads_in_forward: bool = False) -> torch.Tensor:
     """``F.cross_entropy(hidden @ weight.T, targets)`` without the whole logits tensor.
 
     The loss and its gradients (to ``hidden`` and ``weight``) are those of the plain
@@ -224,13 +345,19 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
             the logits of the rest, a vocabulary's padding rows, are left out of the softmax
             and get no gradient, as if the weight were cut to ``weight[:num_classes]``; the
             matmuls keep the padded, aligned shape.
+        grads_in_forward: compute the gradients in the forward pass, from each chunk's
+            logits computed once, and save them for backward (no second matmul; the two
+            gradients, ``hidden``-sized and a ``(V, C)`` one in fp32, are held from forward to
+            backward instead of one number per token). They are computed only where autograd
+            will ask for them: grad mode on and the tensor requiring grad. Default: the
+            logits are computed again in backward.
 
     Returns:
         The loss, a 0-dim tensor.
 
     Raises:
         TypeError: ``hidden`` or ``weight`` is not a floating-point tensor, ``targets`` not
-            an integer tensor, ``chunk_tokens`` not an int.
+            an integer tensor, ``chunk_tokens`` not an int, ``grads_in_forward`` not a bool.
         ValueError: shapes that do not fit together, tensors on different devices, dtypes
             that differ outside autocast, ``chunk_tokens`` below 1, an unknown reduction,
             ``num_classes`` outside 1 .. the weight's rows.
@@ -266,9 +393,17 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
             or not 1 <= classes <= weight.shape[0]:
         raise ValueError(f"num_classes must be an int from 1 to the weight's {weight.shape[0]} "
                          f"rows, got {num_classes!r}")
+    if not isinstance(grads_in_forward, bool):
+        raise TypeError(f"grads_in_forward must be a bool, got {grads_in_forward!r}")
     cdt = _compute_dtype(hidden, weight)
     args = (hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), chunk_tokens,
             ignore_index, reduction == "mean", cdt, classes)
+    if grads_in_forward:
+        want_h = torch.is_grad_enabled() and hidden.requires_grad
+        want_w = torch.is_grad_enabled() and weight.requires_grad
+        if want_h or want_w:
+            return _ChunkedGradsInForward.apply(*args, want_h, want_w)
+        return _chunked_forward_with_grads(*args, False, False)[0]  # no gradient wanted
     if torch.compiler.is_compiling():
         return _chunked_op(*args)[0]
     return _ChunkedLinearCrossEntropy.apply(*args)
