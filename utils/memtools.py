@@ -461,6 +461,17 @@ def _clean_after_oom(dev: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _limit_cuda_memory(dev: torch.device, reserved_bytes: int, budget_bytes: int) -> float:
+    """Limit the caching allocator on ``dev`` to ``budget_bytes`` above ``reserved_bytes``
+    (``torch.cuda.set_per_process_memory_fraction``); returns the fraction to put back."""
+    total = torch.cuda.get_device_properties(dev).total_memory
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    old_fraction = float(getter(dev)) if getter is not None else 1.0
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (reserved_bytes + budget_bytes) / total),
+                                               dev)
+    return old_fraction
+
+
 def find_max_batch(trial: Callable[[int], Any], *, start: int = 1, max_batch: int = 1 << 20,
                    budget_bytes: int | None = None, cleanup: Callable[[], None] | None = None,
                    device: str | torch.device | None = None, rel_tol: float = 0.0,
@@ -520,11 +531,7 @@ def find_max_batch(trial: Callable[[int], Any], *, start: int = 1, max_batch: in
         alloc0 = torch.cuda.memory_allocated(dev)
         res0: int | None = torch.cuda.memory_reserved(dev)
         if budget_bytes is not None:
-            total = torch.cuda.get_device_properties(dev).total_memory
-            getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-            old_fraction = float(getter(dev)) if getter is not None else 1.0
-            torch.cuda.set_per_process_memory_fraction(
-                min(1.0, (res0 + budget_bytes) / total), dev)
+            old_fraction = _limit_cuda_memory(dev, res0, budget_bytes)
     else:
         alloc0, res0 = 0, None
         recorder = TensorMemoryTracker(limit_bytes=budget_bytes, count_existing_frees=True)
@@ -658,11 +665,7 @@ class memory_budget:
             torch.cuda.empty_cache()
             self._alloc0 = torch.cuda.memory_allocated(dev)
             self._res0 = torch.cuda.memory_reserved(dev)
-            total = torch.cuda.get_device_properties(dev).total_memory
-            getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-            self._old_fraction = float(getter(dev)) if getter is not None else 1.0
-            torch.cuda.set_per_process_memory_fraction(
-                min(1.0, (self._res0 + self.budget_bytes) / total), dev)
+            self._old_fraction = _limit_cuda_memory(dev, self._res0, self.budget_bytes)
         else:
             self._recorder = TensorMemoryTracker(limit_bytes=self.budget_bytes,
                                                  count_existing_frees=True)
