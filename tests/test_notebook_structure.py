@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import statistics
 
@@ -42,6 +43,12 @@ def nb_path(request):
 
 
 def test_clean_and_python3(nb_path):
+    # every cell has an id of its own, as nbformat 4.5 asks (nbformat.read would make up the
+    # missing ones, differently on each read: the student release keeps them)
+    raw = json.loads(nb_path.read_text())
+    ids = [c.get("id") for c in raw["cells"]]
+    assert None not in ids, f"cell {ids.index(None)} has no id"
+    assert len(set(ids)) == len(ids), "cell ids repeat"
     nb = nbformat.read(nb_path, as_version=4)
     nbformat.validate(nb)
     assert nb.metadata["kernelspec"]["name"] == "python3"
