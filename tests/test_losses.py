@@ -202,6 +202,37 @@ def test_gradients_in_forward_follow_the_incoming_gradient_and_a_second_backward
         torch.testing.assert_close(a, 4 * e, **tol.kwargs())
 
 
+@both
+def test_a_second_derivative_is_refused_clearly(in_forward):
+    """A gradient penalty needs the gradient's own graph; this backward makes none, and the
+    penalty would silently add nothing: asking for it is an error that says so."""
+    hidden, weight, targets = _problem(n=12, c=4, v=6)
+    loss = chunked(hidden, weight, targets, chunk_tokens=5, grads_in_forward=in_forward)
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        torch.autograd.grad(loss, hidden, create_graph=True)
+
+
+def test_under_float16_the_gradients_are_not_made_in_forward():
+    """Made in forward for an incoming gradient of 1, fp16 logit gradients (about
+    1 / tokens each) would underflow before a GradScaler's scale reaches them in backward:
+    under float16 the function computes the logits again in backward instead, the same
+    kernels and the same numbers as grads_in_forward=False."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    n, c, v = 96, 32, 512
+    hidden, weight, targets = _problem(n=n, c=c, v=v)
+    out, flops = {}, {}
+    for in_forward in (False, True):
+        with torch.autocast("cpu", dtype=torch.float16), FlopCounterMode(display=False) as fc:
+            out[in_forward] = _loss_and_grads(
+                lambda: chunked(hidden, weight, targets, chunk_tokens=32,
+                                grads_in_forward=in_forward), hidden, weight)
+        flops[in_forward] = fc.get_total_flops()
+    assert flops[True] == flops[False] == 4 * 2 * n * v * c  # the head's forward matmul twice
+    for a, b in zip(out[True], out[False]):
+        assert torch.equal(a, b)
+
+
 def test_gradients_in_forward_run_the_heads_matmul_once_recompute_twice():
     """FLOPs of the head and loss, counted by torch's FLOP counter: the plain loss's three
     matmuls (2NVC forward, 4NVC backward) with the gradients in forward, one forward matmul more
@@ -336,7 +367,7 @@ def test_compiled_gradients_in_forward_fuse_each_chunk_and_save_no_logits(autoca
             with torch.autograd.graph.saved_tensors_hooks(
                     lambda t: sizes.append(t.numel() * t.element_size()) or t, lambda t: t):
                 loss = fn(hidden, weight, targets)
-            loss.backward()
+            (loss / 3).backward()  # an incoming gradient other than 1, as accumulation's
             return loss.detach()
 
         hidden.grad = weight.grad = None

@@ -25,7 +25,7 @@ backward pass only scales them by the loss's incoming gradient. The matmul runs 
 more FLOPs than the plain loss, and the memory held from forward to backward is the two
 gradients instead of one number per token. The gradients are computed whenever autograd
 will want them (grad mode on, an input that requires grad), even if ``backward`` is
-never called.
+never called. Not under float16, where they would underflow (see the argument).
 
 Eagerly both are a ``torch.autograd.Function``, whose every operation dispatch modes see
 (the course's memory tracker and FLOP counter among them). Under ``torch.compile`` the
@@ -47,6 +47,10 @@ import torch
 __all__ = ["chunked_linear_cross_entropy"]
 
 _REDUCTIONS = ("mean", "sum")
+_NO_SECOND_DERIVATIVE = (
+    "chunked_linear_cross_entropy has no second derivative: its backward is not differentiable "
+    "(backward(create_graph=True) or autograd.grad(..., create_graph=True) through it); use "
+    "F.cross_entropy(hidden @ weight.T, targets) where you need one")
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -229,9 +233,12 @@ class _ChunkedGradsInForward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if torch.is_grad_enabled():  # backward(create_graph=True)
+            raise RuntimeError(_NO_SECOND_DERIVATIVE)
         grad_h, grad_w = ctx.saved_tensors
         # the loss is linear in its incoming gradient: scale, new tensors (retain_graph may
-        # call this again on the same saved ones)
+        # call this again on the same saved ones; compiled, Inductor scales in place and
+        # torch refuses a second backward)
         return (grad_h * grad_out if grad_h is not None else None,
                 grad_w * grad_out if grad_w is not None else None,
                 None, None, None, None, None, None, None, None)
@@ -252,6 +259,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if torch.is_grad_enabled():  # backward(create_graph=True)
+            raise RuntimeError(_NO_SECOND_DERIVATIVE)
         hidden, weight, targets, lse = ctx.saved_tensors
         grad_h, grad_w = _chunked_backward(grad_out, hidden, weight, targets, lse, *ctx.args,
                                            ctx.needs_input_grad[0], ctx.needs_input_grad[1])
@@ -321,9 +330,10 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
 
     The loss and its gradients (to ``hidden`` and ``weight``) are those of the plain
     expression, up to the order of the sums; no tensor of ``tokens x V`` values is made,
-    in forward or in backward, only one chunk of ``chunk_tokens x V`` at a time (the
-    logits are computed again in backward: the output matmul runs twice). The forward
-    pass saves one number per token (the log-sum-exp of its logits).
+    in forward or in backward, only one chunk of ``chunk_tokens x V`` at a time. By default
+    the logits are computed again in backward (the output matmul runs twice) and the
+    forward pass saves one number per token (the log-sum-exp of its logits); with
+    ``grads_in_forward`` the forward pass computes the gradients and saves them instead.
 
     Under ``torch.autocast`` the matmuls run in the autocast dtype, as ``hidden @
     weight.T`` would, and the softmax and the loss in fp32, as ``F.cross_entropy`` does.
@@ -347,9 +357,15 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
             matmuls keep the padded, aligned shape.
         grads_in_forward: compute the gradients in the forward pass, from each chunk's
             logits computed once, and save them for backward (no second matmul; the two
-            gradients, ``hidden``-sized and a ``(V, C)`` one in fp32, are held from forward to
-            backward instead of one number per token). They are computed only where autograd
-            will ask for them: grad mode on and the tensor requiring grad. Default: the
+            gradients, in ``hidden``'s and ``weight``'s dtypes, are saved instead of one
+            number per token; compiled under bf16 autocast, Inductor may save up to one bf16
+            ``(V, C)`` share of the weight's gradient per chunk instead). They are computed
+            only where autograd will ask for them: grad mode on and the tensor requiring
+            grad. Not under float16 (autocast or tensors): the gradients, made in forward
+            for an incoming gradient of 1, would underflow there before a ``GradScaler``'s
+            scale reached them, so the logits are computed again in backward instead. A
+            second backward through the same graph works eagerly; compiled, the saved
+            gradients are scaled in their own memory and torch refuses it. Default: the
             logits are computed again in backward.
 
     Returns:
@@ -398,12 +414,12 @@ def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
     cdt = _compute_dtype(hidden, weight)
     args = (hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1), chunk_tokens,
             ignore_index, reduction == "mean", cdt, classes)
-    if grads_in_forward:
+    if grads_in_forward and cdt != torch.float16:
         want_h = torch.is_grad_enabled() and hidden.requires_grad
         want_w = torch.is_grad_enabled() and weight.requires_grad
         if want_h or want_w:
             return _ChunkedGradsInForward.apply(*args, want_h, want_w)
-        return _chunked_forward_with_grads(*args, False, False)[0]  # no gradient wanted
+        return _chunked_forward(*args)[0]  # no gradient wanted: the loss alone
     if torch.compiler.is_compiling():
         return _chunked_op(*args)[0]
     return _ChunkedLinearCrossEntropy.apply(*args)
