@@ -146,11 +146,11 @@ def _logits_to_grad(logits, safe, row_scale, classes):
     tensor. Traced by ``torch.compile`` it is written as one expression of element-wise
     operations and reductions, which the compiler fuses; in-place ``scatter_add_`` would cut
     the fusion in two and cost a pass over the chunk."""
-    picked = logits.gather(1, safe.unsqueeze(1)).squeeze(1)
     if torch.compiler.is_compiling():
         cols = torch.arange(logits.shape[1], device=logits.device)
         if classes < logits.shape[1]:
             logits = torch.where(cols < classes, logits, float("-inf"))
+        picked = logits.gather(1, safe.unsqueeze(1)).squeeze(1)
         lse = torch.logsumexp(logits, dim=1)
         target = cols == safe.unsqueeze(1)
         grad = (torch.exp(logits - lse.unsqueeze(1)) - target.to(logits.dtype)) \
@@ -158,6 +158,7 @@ def _logits_to_grad(logits, safe, row_scale, classes):
         return lse, picked, grad
     if classes < logits.shape[1]:  # padded rows: out of the softmax, no gradient
         logits[:, classes:] = float("-inf")
+    picked = logits.gather(1, safe.unsqueeze(1)).squeeze(1)
     top = logits.amax(dim=1, keepdim=True)
     logits.sub_(top).exp_()
     total = logits.sum(dim=1, keepdim=True)
