@@ -588,6 +588,8 @@ BENCHMARK_RUNS = (
     BenchmarkRun("2x batch, chunked loss, GPT-2 vocabulary",
                  {"rung": "top", "data": "random", "loss": "chunked", "steps": 40},
                  versus="chunked loss, GPT-2 vocabulary", cost=1.5, batch_factor=2),
+    BenchmarkRun("2x batch", {"rung": "top", "steps": 40}, versus="top rung", cost=1.5,
+                 batch_factor=2),
 )
 #: --fp8-sweep's widths: GPT-2 small's 768 up to the widths of 7B-class models.
 FP8_SWEEP_WIDTHS = "768,1024,1536,2048,3072,4096"

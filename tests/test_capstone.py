@@ -328,7 +328,8 @@ def test_benchmark_runs_every_run_says_why_one_is_skipped_and_prints_one_table(
     assert [(s.rung, s.data, s.loss, s.fp8, s.batch_size) for s in seen] == [
         ("fp32", "corpus", None, None, None), ("top", "corpus", None, None, None),
         ("top", "random", None, None, None), ("top", "random", "chunked", None, None),
-        ("top", "random", "chunked", None, 32)], "the FP8 run is not run on a CPU; 2 x 16"
+        ("top", "random", "chunked", None, 32), ("top", "corpus", None, None, 32)], \
+        "the FP8 run is not run on a CPU; 2 x 16"
     assert all(s.out == "none" and s.results == "none" for s in seen), "no checkpoint, no ledger"
     assert all(s.ceiling_cache is seen[0].ceiling_cache for s in seen), "one ceiling per kind"
     assert all(s.profile_steps == 0 for s in seen), "no profile on a CPU"
@@ -351,7 +352,7 @@ def test_benchmark_runs_every_run_says_why_one_is_skipped_and_prints_one_table(
     assert led["mfu_vs_datasheet_top_rung_GPT2_vocabulary"] == pytest.approx(303 / 989.4)
     assert led["gain_chunked_loss_GPT2_vocabulary"] == pytest.approx(4 / 3)
     assert "tokens_per_s_FP8_linears" not in led.measurements
-    assert len(rows) == len(train.BENCHMARK_RUNS) == 6 and "skipped" in rows[4]
+    assert len(rows) == len(train.BENCHMARK_RUNS) == 7 and "skipped" in rows[4]
 
 
 def test_benchmark_keeps_to_its_budget_and_survives_a_failing_run(monkeypatch, capsys):
@@ -364,7 +365,7 @@ def test_benchmark_keeps_to_its_budget_and_survives_a_failing_run(monkeypatch, c
     out = capsys.readouterr().out
     assert "chunked loss, GPT-2 vocabulary: failed: RuntimeError: compiled kernel crashed" in out
     assert [r.get("skipped", "ran")[:6] for r in rows] == ["ran", "ran", "ran", "failed", "FP8 tr",
-                                                         "failed"]
+                                                         "failed", "ran"]
     seen.clear()
     rows = train.benchmark(parser.parse_args(["--benchmark", "--device", "cpu", "--results",
                                               "none", "--budget-s", "1e-9"]), parser)
@@ -440,17 +441,18 @@ def test_benchmark_on_a_gpu_explains_the_best_runs_time_by_kernel_kind(monkeypat
     parser = train.build_parser()
     train.benchmark(parser.parse_args(["--benchmark", "--preset", "gpt2", "--results", "none"]),
                     parser)
-    assert [s.profile_steps for s in seen] == [0, 3, 3, 3, 3, 3], "every compiled run, 3 steps"
+    assert [s.profile_steps for s in seen] == [0, 3, 3, 3, 3, 3, 3], "every compiled run, 3 steps"
     assert [s.fp8 for s in seen][4] is True and seen[5].batch_size == 64, "2 x gpt2's 32"
+    assert seen[6].batch_size == 64 and seen[6].data == "corpus", "and at the course's vocabulary"
     out = capsys.readouterr().out
-    assert "The best run by model TFLOP/s, 2x batch, chunked loss, GPT-2 vocabulary:" in out
+    assert "The best run by model TFLOP/s, 2x batch:" in out  # the made-up runs' last
     assert "time by kernel kind, CUDA graphs: 3 profiled step(s)" in out
     # --profile-steps 0 turns the profiler off in --benchmark too (a profiler fault on CUDA
     # graphs can end the process, and with it the later runs)
     seen.clear()
     train.benchmark(parser.parse_args(["--benchmark", "--preset", "gpt2", "--results", "none",
                                        "--profile-steps", "0"]), parser)
-    assert [s.profile_steps for s in seen] == [0] * 6
+    assert [s.profile_steps for s in seen] == [0] * len(train.BENCHMARK_RUNS)
     # a profile with no kernels in it says so instead of a breakdown that is all idle time
     empty = dataclasses.replace(prof, kernels_per_step=0.0, busy_ms_per_step=0.0,
                                 kernels_by_category={}, kernel_ms_by_category={}, top_kernels=())
