@@ -201,7 +201,8 @@ class TrainConfig:
         loss: ``"plain"`` (the head's logits, then ``F.cross_entropy``) or ``"chunked"``
             (:func:`utils.losses.chunked_linear_cross_entropy` in :data:`LOSS_CHUNKS` chunks,
             its gradients computed in forward: the same loss and gradients, the logits never
-            whole, the head's matmul run once, as in the plain loss). The chunked loss needs a
+            whole, the head's matmul run once, as in the plain loss; under fp16 the function
+            computes the logits again in backward instead). The chunked loss needs a
             TinyGPT-like model (:func:`gpt_hidden_states`).
         fp8: the linear layers :func:`fp8_module_filter` picks run their matmuls in FP8
             (torchao's float8 training, dynamic tensorwise scaling: :func:`convert_to_fp8`),
@@ -321,7 +322,7 @@ class TrainConfig:
                             f"and the loss as one function, 1/{LOSS_CHUNKS} of the tokens' logits "
                             "at a time, gradients computed in forward "
                             "(utils.chunked_linear_cross_entropy, module 04): the same loss and "
-                            "FLOPs, less memory")
+                            "FLOPs, less memory (under fp16 the head's matmul runs once more)")
         g.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=None,
                        help="the transformer blocks' linear layers in FP8 (torchao's float8 "
                             "training; the head and the embedding stay as they are); needs a "
@@ -570,9 +571,9 @@ class LossModule(nn.Module):
     :func:`utils.losses.chunked_linear_cross_entropy` with the head's first ``num_classes``
     rows as the classes (the matmuls keep the padded head's aligned shape), in ``chunks``
     chunks of the micro-batch's tokens, its gradients computed in forward
-    (``grads_in_forward=True``): the same loss, gradients and FLOPs, and no tensor of all the
-    logits (the model must be TinyGPT-like: :func:`gpt_hidden_states`, and a head without
-    bias).
+    (``grads_in_forward=True``; under fp16 it computes the logits again in backward): the
+    same loss and gradients, and no tensor of all the logits (the model must be TinyGPT-like:
+    :func:`gpt_hidden_states`, and a head without bias).
 
     Raises:
         ValueError: ``num_classes`` is not a positive int, or it is ``None`` for a model
