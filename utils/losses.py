@@ -65,14 +65,57 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return hidden.dtype
 
 
+def _acc_dtype(cdt: torch.dtype) -> torch.dtype:
+    """The dtype of the softmax, the loss and the weight's gradient sums: fp64 for fp64
+    matmuls, else fp32 (as ``F.cross_entropy`` under autocast)."""
+    return torch.float64 if cdt == torch.float64 else torch.float32
+
+
+def _valid_and_safe(targets, ignore_index):
+    """The rows that count, and the targets with the ignored rows' set to class 0."""
+    valid = targets != ignore_index
+    return valid, torch.where(valid, targets, torch.zeros_like(targets))
+
+
+def _softmax_to_logit_grad_(probs, safe, row_scale):
+    """In place, eagerly: a chunk's softmax ``probs`` becomes the gradient of its logits,
+    ``row_scale * (probs - one_hot(safe))``."""
+    minus_one = torch.full((1, 1), -1.0, dtype=probs.dtype, device=probs.device)
+    probs.scatter_add_(1, safe.unsqueeze(1), minus_one.expand(probs.shape[0], 1))
+    return probs.mul_(row_scale.unsqueeze(1))
+
+
+def _add_chunk_grads(dlogits, w, h, sl, grad_h, grad_w, pieces):
+    """Add one chunk's shares of the gradients: ``dlogits @ w`` into ``grad_h[sl]`` (compiled:
+    appended to ``pieces``, joined once at the end, so that the matmuls can write in place)
+    and ``dlogits.T @ h`` into ``grad_w`` (either may be ``None``: not wanted). Eagerly in
+    place, no second ``(V, C)`` tensor; for the compiler, functional. Returns ``grad_w``."""
+    cdt = dlogits.dtype
+    compiling = torch.compiler.is_compiling()
+    if grad_h is not None or pieces is not None:
+        if compiling:
+            pieces.append(torch.mm(dlogits, w))
+        elif grad_h.dtype == cdt:
+            torch.mm(dlogits, w, out=grad_h[sl])
+        else:
+            grad_h[sl] = torch.mm(dlogits, w)
+    if grad_w is not None:
+        if grad_w.dtype == cdt:  # out= rather than addmm_: FLOP counters see addmm
+            grad_w = torch.addmm(grad_w, dlogits.t(), h, out=None if compiling else grad_w)
+        elif compiling:
+            grad_w = grad_w + torch.mm(dlogits.t(), h)
+        else:  # a (V, C) product in cdt, added in fp32 across chunks
+            grad_w.add_(torch.mm(dlogits.t(), h))
+    return grad_w
+
+
 def _chunked_forward(hidden, weight, targets, chunk, ignore_index, mean, cdt, classes):
     """The loss (mean or sum over the valid rows) and each row's log-sum-exp, a chunk of rows
     at a time. ``hidden`` is ``(N, C)``, ``weight`` ``(V, C)``, ``targets`` ``(N,)``."""
-    acc = torch.float64 if cdt == torch.float64 else torch.float32
+    acc = _acc_dtype(cdt)
     dev = hidden.device.type
     n = hidden.shape[0]
-    valid = targets != ignore_index
-    safe = torch.where(valid, targets, torch.zeros_like(targets))  # ignored rows: class 0
+    valid, safe = _valid_and_safe(targets, ignore_index)
     lse = torch.empty(n, dtype=acc, device=hidden.device)
     total = torch.zeros((), dtype=acc, device=hidden.device)
     with torch.autocast(device_type=dev, enabled=False):
@@ -98,8 +141,7 @@ def _chunked_backward(grad_out, hidden, weight, targets, lse, chunk, ignore_inde
     where not wanted), the logits computed again a chunk at a time."""
     acc = lse.dtype
     n = hidden.shape[0]
-    valid = targets != ignore_index
-    safe = torch.where(valid, targets, torch.zeros_like(targets))
+    valid, safe = _valid_and_safe(targets, ignore_index)
     g = grad_out.to(acc)
     if mean:
         g = g / valid.sum().to(acc)
@@ -107,7 +149,6 @@ def _chunked_backward(grad_out, hidden, weight, targets, lse, chunk, ignore_inde
     row_scale = torch.where(valid, g, torch.zeros((), dtype=acc, device=lse.device))
     grad_h = torch.empty_like(hidden) if want_h else None
     grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
-    minus_one = torch.full((1, 1), -1.0, dtype=acc, device=lse.device)
     with torch.autocast(device_type=hidden.device.type, enabled=False):
         w = weight.to(cdt)
         for start in range(0, n, chunk):
@@ -117,20 +158,9 @@ def _chunked_backward(grad_out, hidden, weight, targets, lse, chunk, ignore_inde
             if classes < probs.shape[1]:  # padded rows: probability 0, no gradient
                 probs[:, classes:] = float("-inf")
             probs.sub_(lse[sl].unsqueeze(1)).exp_()  # softmax, in place
-            rows = probs.shape[0]
-            probs.scatter_add_(1, safe[sl].unsqueeze(1), minus_one.expand(rows, 1))
-            probs.mul_(row_scale[sl].unsqueeze(1))  # now the gradient of these logits
+            _softmax_to_logit_grad_(probs, safe[sl], row_scale[sl])
             dlogits = probs if cdt == acc else probs.to(cdt)
-            if want_h:
-                if grad_h.dtype == cdt:
-                    torch.mm(dlogits, w, out=grad_h[sl])
-                else:
-                    grad_h[sl] = torch.mm(dlogits, w)
-            if want_w:
-                if cdt == acc:  # out= rather than addmm_: FLOP counters see addmm
-                    torch.addmm(grad_w, dlogits.t(), h, out=grad_w)
-                else:  # a (V, C) product in cdt, added in fp32 across chunks
-                    grad_w.add_(torch.mm(dlogits.t(), h))
+            grad_w = _add_chunk_grads(dlogits, w, h, sl, grad_h, grad_w, None)
             del probs, dlogits
     if grad_w is not None and grad_w.dtype != weight.dtype:
         grad_w = grad_w.to(weight.dtype)
@@ -164,10 +194,7 @@ def _logits_to_grad(logits, safe, row_scale, classes):
     total = logits.sum(dim=1, keepdim=True)
     lse = total.log().add_(top).squeeze(1)
     logits.div_(total)  # the softmax
-    minus_one = torch.full((1, 1), -1.0, dtype=logits.dtype, device=logits.device)
-    logits.scatter_add_(1, safe.unsqueeze(1), minus_one.expand(logits.shape[0], 1))
-    logits.mul_(row_scale.unsqueeze(1))
-    return lse, picked, logits
+    return lse, picked, _softmax_to_logit_grad_(logits, safe, row_scale)
 
 
 def _chunked_forward_with_grads(hidden, weight, targets, chunk, ignore_index, mean, cdt,
@@ -175,10 +202,9 @@ def _chunked_forward_with_grads(hidden, weight, targets, chunk, ignore_index, me
     """:func:`_chunked_forward`'s loss together with its gradients to ``hidden`` and
     ``weight`` for an incoming gradient of 1 (``None`` where not wanted): each chunk's
     logits are computed once and turned into their gradient at once."""
-    acc = torch.float64 if cdt == torch.float64 else torch.float32
+    acc = _acc_dtype(cdt)
     n = hidden.shape[0]
-    valid = targets != ignore_index
-    safe = torch.where(valid, targets, torch.zeros_like(targets))
+    valid, safe = _valid_and_safe(targets, ignore_index)
     count = valid.sum().to(acc)
     one = torch.ones((), dtype=acc, device=hidden.device)
     # d loss / d logits = row_scale * (softmax - one_hot(target)); 0 on ignored rows
@@ -186,7 +212,7 @@ def _chunked_forward_with_grads(hidden, weight, targets, chunk, ignore_index, me
     total = torch.zeros((), dtype=acc, device=hidden.device)
     compiling = torch.compiler.is_compiling()
     grad_h = torch.empty_like(hidden) if want_h and not compiling else None
-    pieces = []  # compiled: grad_h's chunks
+    pieces = [] if want_h and compiling else None  # compiled: grad_h's chunks
     grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
     with torch.autocast(device_type=hidden.device.type, enabled=False):
         w = weight.to(cdt)
@@ -197,21 +223,7 @@ def _chunked_forward_with_grads(hidden, weight, targets, chunk, ignore_index, me
             lse, picked, grad = _logits_to_grad(logits, safe[sl], row_scale[sl], classes)
             total = total + torch.where(valid[sl], lse - picked, 0).sum()
             dlogits = grad.to(cdt)
-            if want_h:
-                if compiling:  # joined once at the end: the matmuls can write in place
-                    pieces.append(torch.mm(dlogits, w))
-                elif grad_h.dtype == cdt:
-                    torch.mm(dlogits, w, out=grad_h[sl])
-                else:
-                    grad_h[sl] = torch.mm(dlogits, w)
-            if want_w:
-                # eagerly in place (no second (V, C) tensor); for the compiler, functional
-                if cdt == acc:
-                    grad_w = torch.addmm(grad_w, dlogits.t(), h, out=None if compiling else grad_w)
-                elif compiling:
-                    grad_w = grad_w + torch.mm(dlogits.t(), h)
-                else:  # a (V, C) product in cdt, added in fp32 across chunks
-                    grad_w.add_(torch.mm(dlogits.t(), h))
+            grad_w = _add_chunk_grads(dlogits, w, h, sl, grad_h, grad_w, pieces)
             del logits, grad, dlogits
     if pieces:
         grad_h = torch.cat(pieces).to(hidden.dtype)
@@ -281,7 +293,7 @@ def _chunked_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tenso
 
 @_chunked_op.register_fake
 def _(hidden, weight, targets, chunk, ignore_index, mean, cdt, classes):
-    acc = torch.float64 if cdt == torch.float64 else torch.float32
+    acc = _acc_dtype(cdt)
     return hidden.new_empty((), dtype=acc), hidden.new_empty((hidden.shape[0],), dtype=acc)
 
 
