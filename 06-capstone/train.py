@@ -880,6 +880,37 @@ def write_benchmark_ledger(args: argparse.Namespace, rows: list[dict]) -> Path:
     return ledger.save(path)
 
 
+def _fp8_sweep_ledger(points: list, widths: list[int], tokens: int, preset: str,
+                      env: Any) -> utils.Ledger:
+    """--fp8-sweep's ledger from the widths measured so far (all of ``widths`` once it ends)."""
+    ledger = utils.Ledger("06-capstone/train_fp8_sweep", smoke=preset == "tiny", env=env,
+                          strict=False)
+    for p in points:
+        ledger.record("fp8_mlp", p)
+    measured = {p.width for p in points}
+    missing = [w for w in widths if w not in measured]
+    ledger.record("fp8_sweep_widths_unmeasured", float(len(missing)), "",
+                  note=("every width asked for was measured" if not missing else
+                        f"not measured (the sweep stopped first): {missing}"))
+    start = ladder.fp8_pays_from(points, min_speedup=FP8_PAYS_AT)
+    ledger.record("fp8_pays_from_width", float(start or 0), "",
+                  note=f"smallest width from which FP8 is >= {FP8_PAYS_AT:g}x bf16 at every "
+                       "larger width measured; 0: none")
+    widest = max(points, key=lambda p: p.width)
+    large = widest.width >= FP8_LARGE_WIDTH and tokens >= FP8_LARGE_TOKENS
+    ledger.expect("fp8_mlp_speedup_at_largest_width", widest.speedup,
+                  at_least=FP8_LARGE_SPEEDUP, applies=large, unit="x",
+                  description=f"a GPT block's MLP at width {widest.width} (the largest measured), "
+                              "forward and backward: bf16 time / FP8 time",
+                  reason=(f"FP8 tensor cores do twice bf16's FLOPs; from width "
+                          f"{FP8_LARGE_WIDTH} the matmuls outweigh FP8's scaling and casts"
+                          if large else
+                          f"needs a width of {FP8_LARGE_WIDTH} or more and "
+                          f"{FP8_LARGE_TOKENS} tokens or more (here width {widest.width}, "
+                          f"{tokens} tokens): below, the casts can cost as much as FP8 saves"))
+    return ledger
+
+
 def fp8_sweep(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list:
     """--fp8-sweep: bf16 against FP8 linears in a GPT block's MLP, width by width."""
     try:
@@ -897,11 +928,23 @@ def fp8_sweep(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list
     if reason:
         parser.error(f"--fp8-sweep: {reason}")
     device = utils.pick_device(device_type)
+    env = utils.get_env(device)
     print(f"FP8 against bf16 in a GPT block's MLP (d -> 4d -> d, forward and backward, "
-          f"{tokens} tokens, compiled) on {utils.get_env(device).device_name}", flush=True)
+          f"{tokens} tokens, compiled) on {env.device_name}", flush=True)
+    path = None if args.results == "none" else (
+        Path(args.results) if args.results else
+        utils.results_dir() / "06-capstone__train_fp8_sweep.json")
+
+    def save(points_so_far: list) -> None:
+        # after every width, so a sweep stopped at a time limit keeps the widths it measured
+        if path is not None:
+            _fp8_sweep_ledger(points_so_far, widths, tokens, preset, env).save(path)
+
+    done: list = []
     points = ladder.fp8_mlp_sweep(widths, tokens=tokens, device=device,
                                   compile=device.type == "cuda",
-                                  progress=lambda line: print("  " + line, flush=True))
+                                  progress=lambda line: print("  " + line, flush=True),
+                                  on_point=lambda p: (done.append(p), save(done)))
     print(utils.format_table(
         [["width", "bf16 ms", "FP8 ms", "bf16 TFLOP/s", "FP8 TFLOP/s", "FP8 speedup"]]
         + [[p.width, p.bf16_ms, p.fp8_ms, p.tflops(p.bf16_ms), p.tflops(p.fp8_ms),
@@ -909,28 +952,8 @@ def fp8_sweep(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list
     start = ladder.fp8_pays_from(points, min_speedup=FP8_PAYS_AT)
     print(f"FP8 is at least {FP8_PAYS_AT:g}x bf16 at every width from {start} on" if start else
           f"FP8 is not {FP8_PAYS_AT:g}x bf16 at the largest width measured ({max(widths)})")
-    if args.results != "none":
-        ledger = utils.Ledger("06-capstone/train_fp8_sweep", smoke=preset == "tiny",
-                              env=utils.get_env(device), strict=False)
-        for p in points:
-            ledger.record("fp8_mlp", p)
-        ledger.record("fp8_pays_from_width", float(start or 0), "",
-                      note=f"smallest width from which FP8 is >= {FP8_PAYS_AT:g}x bf16 at every "
-                           "larger width measured; 0: none")
-        widest = max(points, key=lambda p: p.width)
-        large = widest.width >= FP8_LARGE_WIDTH and tokens >= FP8_LARGE_TOKENS
-        ledger.expect("fp8_mlp_speedup_at_largest_width", widest.speedup,
-                      at_least=FP8_LARGE_SPEEDUP, applies=large, unit="x",
-                      description=f"a GPT block's MLP at width {widest.width}, forward and "
-                                  "backward: bf16 time / FP8 time",
-                      reason=(f"FP8 tensor cores do twice bf16's FLOPs; from width "
-                              f"{FP8_LARGE_WIDTH} the matmuls outweigh FP8's scaling and casts"
-                              if large else
-                              f"needs a width of {FP8_LARGE_WIDTH} or more and "
-                              f"{FP8_LARGE_TOKENS} tokens or more (here width {widest.width}, "
-                              f"{tokens} tokens): below, the casts can cost as much as FP8 saves"))
-        path = ledger.save(Path(args.results) if args.results else
-                           utils.results_dir() / "06-capstone__train_fp8_sweep.json")
+    if path is not None:
+        save(points)
         print(f"figures: {path}")
     return points
 

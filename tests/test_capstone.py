@@ -535,6 +535,37 @@ def test_fp8_sweep_times_both_kinds_per_width_and_says_where_fp8_pays(tmp_path, 
     assert claim["status"] == "not applicable" and "4096 tokens" in claim["reason"]
 
 
+def test_fp8_sweep_saves_each_width_as_it_ends(tmp_path, monkeypatch):
+    """A sweep stopped at a time limit (the H100 run of 2026-11-27 was, at its last width) keeps
+    the widths it measured: the ledger is written after each one, claim included."""
+    parser = train.build_parser()
+    out = tmp_path / "sweep.json"
+    pt = train.ladder.Fp8SweepPoint(768, 32 * 1024, 1.0, bf16_ms=2.0, fp8_ms=2.2)
+    seen = []
+
+    def stopped_sweep(widths, *, on_point=None, **kw):
+        on_point(pt)
+        seen.append(json.loads(out.read_text()))  # what a kill here would leave behind
+        on_point(dataclasses.replace(pt, width=3072, bf16_ms=23.0, fp8_ms=17.0))
+        seen.append(json.loads(out.read_text()))
+        raise KeyboardInterrupt  # the time limit, before the last width
+
+    monkeypatch.setattr(train.ladder, "fp8_unavailable_reason", lambda device=None: "")
+    monkeypatch.setattr(train.ladder, "fp8_mlp_sweep", stopped_sweep)
+    with pytest.raises(KeyboardInterrupt):
+        train.fp8_sweep(parser.parse_args(["--fp8-sweep", "768,3072,4096", "--device", "cpu",
+                                           "--preset", "gpt2", "--results", str(out)]), parser)
+    first, second = ({m["name"]: m for m in led["measurements"]} for led in seen)
+    assert "fp8_mlp_d768_speedup" in first and "fp8_mlp_d3072_speedup" not in first
+    assert first["fp8_sweep_widths_unmeasured"]["value"] == 2
+    assert "[3072, 4096]" in first["fp8_sweep_widths_unmeasured"]["note"]
+    assert second["fp8_sweep_widths_unmeasured"]["value"] == 1
+    (claim,) = [e for e in seen[1]["expectations"]
+                if e["name"] == "fp8_mlp_speedup_at_largest_width"]
+    assert claim["status"] == "met" and claim["value"] == pytest.approx(23 / 17)
+    assert "width 3072 (the largest measured)" in claim["description"]
+
+
 def test_fp8_pays_from_the_smallest_width_after_which_it_always_pays():
     def pt(width, speedup):
         return train.ladder.Fp8SweepPoint(width, 32, 1.0, bf16_ms=speedup, fp8_ms=1.0)

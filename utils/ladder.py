@@ -775,7 +775,8 @@ class Fp8SweepPoint:
 
 def fp8_mlp_sweep(widths: Sequence[int], *, tokens: int, device: str | torch.device | None = None,
                   compile: bool = True, min_run_time_s: float = 0.3, seed: int = 0,
-                  progress: Callable[[str], None] | None = None) -> list[Fp8SweepPoint]:
+                  progress: Callable[[str], None] | None = None,
+                  on_point: Callable[[Fp8SweepPoint], None] | None = None) -> list[Fp8SweepPoint]:
     """Does FP8 pay, and from which width? Time a GPT block's MLP (``Linear(d, 4d)``, GELU,
     ``Linear(4d, d)``, no bias) forward and backward (the input's gradient included, as inside a
     model) under bf16 autocast, once as it is and once converted with :func:`convert_to_fp8`,
@@ -796,6 +797,8 @@ def fp8_mlp_sweep(widths: Sequence[int], *, tokens: int, device: str | torch.dev
         compile: ``torch.compile`` each model (how the capstone's rungs run).
         min_run_time_s: measuring time per model (:func:`utils.benchmark`).
         progress: called with a line as each width ends.
+        on_point: called with each width's point as it ends (to save what was measured before
+            a time limit stops the sweep).
 
     Raises:
         ValueError: a width or ``tokens`` that is not a positive multiple of 16.
@@ -840,6 +843,8 @@ def fp8_mlp_sweep(widths: Sequence[int], *, tokens: int, device: str | torch.dev
         if progress is not None:
             progress(f"d={width}: bf16 {point.bf16_ms:.3f} ms, FP8 {point.fp8_ms:.3f} ms, "
                      f"FP8 {point.speedup:.2f}x")
+        if on_point is not None:
+            on_point(point)
         del x, grad
     if compile:
         torch.compiler.reset()
