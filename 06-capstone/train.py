@@ -9,7 +9,8 @@ name, --rung best the rung the notebook measured fastest on this machine (read f
 its results file), and the ladder's own flags (--amp, --compile, ...) override
 single settings. Beyond the ladder, --loss chunked computes the head and the loss a chunk
 of tokens at a time (module 04's utils.chunked_linear_cross_entropy), --fp8 runs the
-transformer blocks' linear layers in FP8 (torchao's float8 training; CUDA sm89+), and
+transformer blocks' linear layers in FP8 (torchao's float8 training; CUDA sm89+),
+--bf16-residual keeps the residual stream between the blocks in bf16 (with --amp bf16), and
 --compile max-autotune-gemm autotunes the matmuls (max-autotune, bounded to them).
 
 It prints the loss, tokens/s and MFU as it goes (a progress bar, plus a line every
@@ -25,6 +26,7 @@ Examples:
     python 06-capstone/train.py --loss chunked --data random           # GPT-2's vocabulary, chunked loss
     python 06-capstone/train.py --fp8 --steps 100                      # FP8 linears (H100, L4, ...)
     python 06-capstone/train.py --compile max-autotune-gemm --steps 60 # autotuned matmuls
+    python 06-capstone/train.py --bf16-residual --steps 60             # a bf16 residual stream
     python 06-capstone/train.py --benchmark                            # one table, the runs below
     torchrun --standalone --nproc-per-node=8 06-capstone/train.py      # DDP, one process per GPU
 

@@ -180,7 +180,8 @@ def test_an_earlier_rung_by_name_and_flags_on_top_the_chunked_loss_among_them(tm
     assert state["rung"] == "SDPA"
     assert state["train_config"] == {"tf32": True, "amp": None, "sdpa": True, "compile": None,
                                      "fused_adamw": False, "vocab_multiple": 1,
-                                     "accum_steps": 4, "loss": "chunked", "fp8": False}
+                                     "accum_steps": 4, "loss": "chunked", "fp8": False,
+                                     "bf16_residual": False}
     assert torch.isfinite(torch.tensor(state["result"]["final_loss"]))
 
 

@@ -675,6 +675,73 @@ def test_a_chunked_step_equals_a_plain_step_and_compiles_to_one_graph():
     torch.compiler.reset()
 
 
+def _saved_for_backward(loss_module, x, y):
+    """The loss, and the (dtype, shape) of every tensor autograd saved for its backward."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.append((t.dtype, tuple(t.shape))) or t, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_module(x, y)
+    return loss, saved
+
+
+@pytest.mark.parametrize("loss", L.LOSSES)
+def test_a_bf16_residual_stream_halves_what_the_stream_saves_and_keeps_the_loss(loss):
+    """bf16_residual: the stream between the blocks is bf16, so no fp32 tensor of the stream's
+    shape is saved for backward (under autocast alone, the layer norms' fp32 inputs are); the
+    loss and the gradients stay within bf16's rounding of the fp32 stream's. Compiled, the same,
+    and torch.compile guards on the setting: a second LossModule with it, compiled without a
+    reset, does not reuse the first one's graph (a forward hook would have been reused)."""
+    with pytest.raises(ValueError, match="amp='bf16'"):
+        L.TrainConfig(bf16_residual=True)
+    with pytest.raises(ValueError, match="amp='bf16'"):
+        L.TrainConfig(amp="fp16", bf16_residual=True)
+    with pytest.raises(TypeError, match="bf16_residual"):
+        L.TrainConfig(amp="bf16", bf16_residual=1)
+    cfg = L.TrainConfig(amp="bf16", sdpa=True, loss=loss, bf16_residual=True)
+    assert "bf16 residual stream" in cfg.describe()
+    assert "residual" not in dataclasses.replace(cfg, bf16_residual=False).describe()
+    parser = argparse.ArgumentParser()
+    L.TrainConfig.add_arguments(parser)
+    assert L.TrainConfig().with_args(parser.parse_args(cfg.to_flags())) == cfg
+    with pytest.raises(ValueError, match="TinyGPT-like"):
+        L.LossModule(nn.Linear(4, 3), residual_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="floating-point"):
+        L.LossModule(utils.TinyGPT(TINY), residual_dtype=torch.int8)
+
+    model = L.gpt_model_fn(TINY, seed=2)(cfg)
+    x, y = tiny_batch(3)
+    rows = x.numel()
+    results = {}
+    for compiled in (False, True):
+        torch.compiler.reset()
+        for dtype in (None, torch.bfloat16):  # the second compiled without a reset between
+            module = L.LossModule(model, TINY.vocab_size, loss=loss, residual_dtype=dtype)
+            run = torch.compile(module, backend="aot_eager", dynamic=False) if compiled else module
+            model.zero_grad(set_to_none=True)
+            value, saved = _saved_for_backward(run, x, y)
+            value.backward()
+            stream = [(d, s) for d, s in saved if s and s[-1] == TINY.n_embd
+                      and math.prod(s[:-1]) == rows]  # (B, T, C) or (B * T, C)
+            stream_fp32 = [s for d, s in stream if d == torch.float32]
+            stream_bf16 = [s for d, s in stream if d == torch.bfloat16]
+            results[compiled, dtype] = [value.detach()] + [p.grad.clone()
+                                                           for p in model.parameters()]
+            if dtype is None:  # autocast alone: the layer norms' inputs are saved in fp32
+                assert len(stream_fp32) >= 2 * TINY.n_layer, saved
+            else:
+                assert stream_fp32 == [] and len(stream_bf16) >= 2 * TINY.n_layer, saved
+    torch.compiler.reset()
+    for compiled in (False, True):
+        base, cast = results[compiled, None], results[compiled, torch.bfloat16]
+        assert not torch.equal(base[0], cast[0]), "the cast must change the rounding"
+        torch.testing.assert_close(cast[0], base[0], rtol=1e-3, atol=0)
+        for a, e in zip(cast[1:], base[1:]):  # within bf16's rounding (8 bits of mantissa)
+            assert ((a - e).norm() / e.norm().clamp_min(1e-12)).item() < 2 ** -5
+    for a, e in zip(results[True, torch.bfloat16], results[False, torch.bfloat16]):
+        torch.testing.assert_close(a, e, **utils.tolerance(torch.bfloat16, "cpu", scale=e).kwargs())
+
+
 GPT2 = dict(block_size=1024, n_layer=12, n_head=12, n_embd=768)
 
 

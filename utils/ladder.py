@@ -210,11 +210,18 @@ class TrainConfig:
             (:func:`fp8_unavailable_reason`); elsewhere torch emulates the FP8 matmuls, slowly.
             The rung's MFU stays against its autocast dtype's ceilings (no FP8 ceiling is
             measured), so it can pass what that dtype's matmuls allow.
+        bf16_residual: the residual stream between the blocks in bf16, not fp32
+            (:class:`LossModule`'s ``residual_dtype``, set by the :class:`Trainer`). Under autocast the
+            stream is otherwise fp32: the sum of fp32 embeddings and the blocks' bf16 outputs,
+            which every residual add and layer norm reads and writes at 4 bytes an element,
+            forward and backward. In bf16 those kernels move half the bytes; the layer norms
+            still compute in fp32 (autocast runs them in fp32). llm.c keeps its activations in
+            bf16 too. Needs ``amp="bf16"`` and a TinyGPT-like model (``blocks``).
 
     Raises:
-        ValueError: an unknown ``amp``, ``compile`` or ``loss`` value, a count below 1, or
+        ValueError: an unknown ``amp``, ``compile`` or ``loss`` value, a count below 1,
             CUDA graphs combined with gradient accumulation (see
-            :data:`_CUDA_GRAPHS_ACCUM_ISSUE`).
+            :data:`_CUDA_GRAPHS_ACCUM_ISSUE`), or ``bf16_residual`` without ``amp="bf16"``.
     """
 
     tf32: bool = False
@@ -226,9 +233,10 @@ class TrainConfig:
     accum_steps: int = 1
     loss: str = "plain"
     fp8: bool = False
+    bf16_residual: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("tf32", "sdpa", "fused_adamw", "fp8"):
+        for name in ("tf32", "sdpa", "fused_adamw", "fp8", "bf16_residual"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"TrainConfig.{name} must be True or False, "
                                 f"got {getattr(self, name)!r}")
@@ -250,6 +258,12 @@ class TrainConfig:
                 "replay overwrites the gradient buffer the previous micro-batch left in "
                 f".grad ({_CUDA_GRAPHS_ACCUM_ISSUE}). Use accum_steps=1, or "
                 "compile='max-autotune-no-cudagraphs' / 'default'.")
+        if self.bf16_residual and self.amp != "bf16":
+            raise ValueError(
+                f"TrainConfig: bf16_residual keeps the residual stream between the blocks in "
+                f"bf16, which needs amp='bf16' (autocast), got amp={self.amp!r}: without "
+                "bf16 autocast the layers after it would get bf16 inputs for weights of "
+                "another dtype")
 
     @property
     def amp_dtype(self) -> torch.dtype | None:
@@ -288,6 +302,8 @@ class TrainConfig:
             parts.append(f"{self.loss} linear + cross-entropy")
         if self.fp8:
             parts.append("FP8 linears (torchao)")
+        if self.bf16_residual:
+            parts.append("bf16 residual stream")
         return ", ".join(parts)
 
     # -- the same settings as command-line flags (train.py) ---------------------
@@ -327,6 +343,10 @@ class TrainConfig:
                        help="the transformer blocks' linear layers in FP8 (torchao's float8 "
                             "training; the head and the embedding stay as they are); needs a "
                             "CUDA GPU of compute capability 8.9+ and torchao: " + FP8_INSTALL_HINT)
+        g.add_argument("--bf16-residual", action=argparse.BooleanOptionalAction, default=None,
+                       help="the residual stream between the transformer blocks in bf16 (with "
+                            "--amp bf16): its adds and layer norms move half the bytes; the "
+                            "layer norms still compute in fp32")
 
     def with_args(self, args: argparse.Namespace) -> "TrainConfig":
         """This config with the flags of :meth:`add_arguments` that were given applied.
@@ -353,6 +373,8 @@ class TrainConfig:
             changes["loss"] = args.loss
         if getattr(args, "fp8", None) is not None:
             changes["fp8"] = args.fp8
+        if getattr(args, "bf16_residual", None) is not None:
+            changes["bf16_residual"] = args.bf16_residual
         return dataclasses.replace(self, **changes)
 
     def to_flags(self) -> list[str]:
@@ -365,7 +387,8 @@ class TrainConfig:
                 "--vocab-multiple", str(self.vocab_multiple),
                 "--accum-steps", str(self.accum_steps),
                 "--loss", self.loss,
-                ("--fp8" if self.fp8 else "--no-fp8")]
+                ("--fp8" if self.fp8 else "--no-fp8"),
+                ("--bf16-residual" if self.bf16_residual else "--no-bf16-residual")]
 
 
 @dataclass(frozen=True)
@@ -543,9 +566,17 @@ def gpt_model_fn(gpt_cfg: GPTConfig, seed: int = 0) -> Callable[[TrainConfig], T
 _GPT_PARTS = ("tok_emb", "pos_emb", "blocks", "ln_f", "head")
 
 
-def gpt_hidden_states(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+def gpt_hidden_states(model: nn.Module, idx: torch.Tensor, *,
+                      residual_dtype: torch.dtype | None = None) -> torch.Tensor:
     """:class:`utils.TinyGPT`'s forward pass up to its head's input: the final layer norm's
     output, ``(B, T, C)``. ``model.head(gpt_hidden_states(model, idx))`` is ``model(idx)``.
+
+    Args:
+        residual_dtype: cast the residual stream (the embeddings' sum) to this dtype before
+            the first block. Under autocast of the same dtype every block keeps it there:
+            each adds its attention's and its MLP's output, autocast matmuls' results of that
+            dtype, to it; the layer norms read it and compute in fp32. ``None``: as the model
+            does (under autocast, an fp32 stream).
 
     Raises:
         ValueError: a model without TinyGPT's parts (``tok_emb``, ``pos_emb``, ``blocks``,
@@ -556,6 +587,8 @@ def gpt_hidden_states(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{type(model).__name__} is not a TinyGPT-like model: it has no "
                          f"{', '.join(missing)}")
     h = model.tok_emb(idx) + model.pos_emb(torch.arange(idx.size(1), device=idx.device))
+    if residual_dtype is not None:
+        h = h.to(residual_dtype)
     for block in model.blocks:
         h = block(h)
     return model.ln_f(h)
@@ -575,20 +608,37 @@ class LossModule(nn.Module):
     same loss and gradients, and no tensor of all the logits (the model must be TinyGPT-like:
     :func:`gpt_hidden_states`, and a head without bias).
 
+    With ``residual_dtype`` (``torch.bfloat16`` for :attr:`TrainConfig.bf16_residual`) the
+    model's residual stream is cast to it before the first block (:func:`gpt_hidden_states`;
+    the model must be TinyGPT-like). It is an attribute of this module, read in ``forward``:
+    ``torch.compile`` guards on it, where it would not guard on a hook.
+
     Raises:
         ValueError: ``num_classes`` is not a positive int, or it is ``None`` for a model
             that says it is padded (a ``real_vocab_size`` attribute, set by
             :func:`gpt_model_fn`, below its head's size): pass the real size, or the
             padded size on purpose to put every logit into the softmax. An unknown ``loss``,
-            ``chunks`` below 1, or a chunked loss for a model that is not TinyGPT-like.
+            ``chunks`` below 1, or a chunked loss or a ``residual_dtype`` for a model that is
+            not TinyGPT-like (or a ``residual_dtype`` that is not a floating-point dtype).
     """
 
     def __init__(self, model: nn.Module, num_classes: int | None = None, *,
-                 loss: str = "plain", chunks: int = LOSS_CHUNKS) -> None:
+                 loss: str = "plain", chunks: int = LOSS_CHUNKS,
+                 residual_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         if loss not in LOSSES:
             raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
         _positive_int("chunks", chunks)
+        if residual_dtype is not None:
+            if not (isinstance(residual_dtype, torch.dtype) and residual_dtype.is_floating_point):
+                raise ValueError(f"residual_dtype must be a floating-point torch.dtype or None, "
+                                 f"got {residual_dtype!r}")
+            missing = [a for a in _GPT_PARTS if not hasattr(model, a)]
+            if missing:
+                raise ValueError(f"a residual_dtype needs a TinyGPT-like model (its parts "
+                                 f"{', '.join(_GPT_PARTS)}); {type(model).__name__} has no "
+                                 f"{', '.join(missing)}")
+        self.residual_dtype = residual_dtype
         if loss == "chunked":
             missing = [a for a in _GPT_PARTS if not hasattr(model, a)]
             head = getattr(model, "head", None)
@@ -620,11 +670,16 @@ class LossModule(nn.Module):
                                  f"num_classes={self.num_classes}")
             n = targets.numel()
             # the real classes only, as below; the padded rows stay in the matmuls' shape
-            return chunked_linear_cross_entropy(gpt_hidden_states(self.model, inputs), weight,
-                                                targets, chunk_tokens=-(-n // self.chunks),
+            hidden = gpt_hidden_states(self.model, inputs, residual_dtype=self.residual_dtype)
+            return chunked_linear_cross_entropy(hidden, weight, targets,
+                                                chunk_tokens=-(-n // self.chunks),
                                                 num_classes=self.num_classes,
                                                 grads_in_forward=True)
-        logits = self.model(inputs)
+        if self.residual_dtype is not None:
+            logits = self.model.head(gpt_hidden_states(self.model, inputs,
+                                                       residual_dtype=self.residual_dtype))
+        else:
+            logits = self.model(inputs)
         if self.num_classes is not None and logits.shape[-1] != self.num_classes:
             if logits.shape[-1] < self.num_classes:
                 raise ValueError(f"the model gives {logits.shape[-1]} logits per row, fewer than "
@@ -921,7 +976,9 @@ class Trainer:
         self.cfg = cfg
         self.model = model
         self.fp8_layers: list[str] = convert_to_fp8(model) if cfg.fp8 else []
-        self.loss_module: nn.Module = LossModule(model, num_classes, loss=cfg.loss)
+        self.loss_module: nn.Module = LossModule(
+            model, num_classes, loss=cfg.loss,
+            residual_dtype=torch.bfloat16 if cfg.bf16_residual else None)
         if wrap is not None:
             self.loss_module = wrap(self.loss_module)
         self.forward: Callable[..., torch.Tensor] = self.loss_module
