@@ -587,6 +587,11 @@ BENCHMARK_RUNS = (
                  versus="top rung, GPT-2 vocabulary"),
     BenchmarkRun("FP8 linears", {"rung": "top", "fp8": True, "steps": 60}, versus="top rung",
                  cost=2.0),
+    BenchmarkRun("bf16 residual stream", {"rung": "top", "bf16_residual": True, "steps": 60},
+                 versus="top rung"),
+    BenchmarkRun("bf16 residual stream, chunked loss, GPT-2 vocabulary",
+                 {"rung": "top", "data": "random", "loss": "chunked", "bf16_residual": True,
+                  "steps": 60}, versus="chunked loss, GPT-2 vocabulary"),
     BenchmarkRun("2x batch, chunked loss, GPT-2 vocabulary",
                  {"rung": "top", "data": "random", "loss": "chunked", "steps": 40},
                  versus="chunked loss, GPT-2 vocabulary", cost=1.5, batch_factor=2),
@@ -695,6 +700,10 @@ def _skip_reason(run: BenchmarkRun, device_type: str) -> str:
     """Why ``run`` cannot run on this machine, or ``""``."""
     if run.overrides.get("fp8"):
         return ladder.fp8_unavailable_reason(device_type)
+    if run.overrides.get("bf16_residual") and device_type == "cuda" \
+            and not torch.cuda.is_bf16_supported(including_emulation=False):
+        return ("a bf16 residual stream needs bf16 autocast, and this GPU has no native "
+                "bfloat16 (it needs sm80+)")
     return ""
 
 

@@ -326,10 +326,11 @@ def test_benchmark_runs_every_run_says_why_one_is_skipped_and_prints_one_table(
     args = train.build_parser().parse_args(["--benchmark", "--device", "cpu", "--results",
                                             str(tmp_path / "bench.json")])
     rows = train.benchmark(args, train.build_parser())
-    assert [(s.rung, s.data, s.loss, s.fp8, s.batch_size) for s in seen] == [
-        ("fp32", "corpus", None, None, None), ("top", "corpus", None, None, None),
-        ("top", "random", None, None, None), ("top", "random", "chunked", None, None),
-        ("top", "random", "chunked", None, 32), ("top", "corpus", None, None, 32)], \
+    assert [(s.rung, s.data, s.loss, s.fp8, s.bf16_residual, s.batch_size) for s in seen] == [
+        ("fp32", "corpus", None, None, None, None), ("top", "corpus", None, None, None, None),
+        ("top", "random", None, None, None, None), ("top", "random", "chunked", None, None, None),
+        ("top", "corpus", None, None, True, None), ("top", "random", "chunked", None, True, None),
+        ("top", "random", "chunked", None, None, 32), ("top", "corpus", None, None, None, 32)], \
         "the FP8 run is not run on a CPU; 2 x 16"
     assert all(s.out == "none" and s.results == "none" for s in seen), "no checkpoint, no ledger"
     assert all(s.ceiling_cache is seen[0].ceiling_cache for s in seen), "one ceiling per kind"
@@ -340,7 +341,9 @@ def test_benchmark_runs_every_run_says_why_one_is_skipped_and_prints_one_table(
     assert "FP8 linears: skipped: FP8 training needs a CUDA GPU of compute capability 8.9" in out
     assert re.search(r"^FP8 linears +skipped: FP8 training needs a CUDA GPU", out, re.M), "its row"
     assert "1.33x over top rung, GPT-2 vocabulary" in out  # 200,000 / 150,000 tokens/s
-    assert "1.25x over chunked loss, GPT-2 vocabulary" in out
+    assert "1.50x over chunked loss, GPT-2 vocabulary" in out  # bf16 residual: 300k / 200k
+    assert "1.75x over chunked loss, GPT-2 vocabulary" in out  # 2x batch: 350k / 200k
+    assert "2.50x over top rung" in out  # bf16 residual: 250k / 100k
     assert "Time by kernel kind: skipped (profiled on CUDA only" in out
     # the peak memory column: the allocator's reserve, '-' where there is none to report
     assert re.search(r"^top rung +8257 \( 8320\) +16 +100,000 .* 21\.5  2\.00x over fp32", out,
@@ -353,7 +356,8 @@ def test_benchmark_runs_every_run_says_why_one_is_skipped_and_prints_one_table(
     assert led["mfu_vs_datasheet_top_rung_GPT2_vocabulary"] == pytest.approx(303 / 989.4)
     assert led["gain_chunked_loss_GPT2_vocabulary"] == pytest.approx(4 / 3)
     assert "tokens_per_s_FP8_linears" not in led.measurements
-    assert len(rows) == len(train.BENCHMARK_RUNS) == 7 and "skipped" in rows[4]
+    assert led["gain_bf16_residual_stream"] == pytest.approx(2.5)
+    assert len(rows) == len(train.BENCHMARK_RUNS) == 9 and "skipped" in rows[4]
 
 
 def test_benchmark_keeps_to_its_budget_and_survives_a_failing_run(monkeypatch, capsys):
@@ -366,7 +370,7 @@ def test_benchmark_keeps_to_its_budget_and_survives_a_failing_run(monkeypatch, c
     out = capsys.readouterr().out
     assert "chunked loss, GPT-2 vocabulary: failed: RuntimeError: compiled kernel crashed" in out
     assert [r.get("skipped", "ran")[:6] for r in rows] == ["ran", "ran", "ran", "failed", "FP8 tr",
-                                                         "failed", "ran"]
+                                                         "ran", "failed", "failed", "ran"]
     seen.clear()
     rows = train.benchmark(parser.parse_args(["--benchmark", "--device", "cpu", "--results",
                                               "none", "--budget-s", "1e-9"]), parser)
@@ -439,12 +443,14 @@ def test_benchmark_on_a_gpu_explains_the_best_runs_time_by_kernel_kind(monkeypat
     monkeypatch.setattr(train, "_device_type", lambda args: "cuda")
     monkeypatch.setattr(train, "_release_compiled", lambda device_type: None)  # no GPU to free
     monkeypatch.setattr(train.ladder, "fp8_unavailable_reason", lambda device=None: "")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     parser = train.build_parser()
     train.benchmark(parser.parse_args(["--benchmark", "--preset", "gpt2", "--results", "none"]),
                     parser)
-    assert [s.profile_steps for s in seen] == [0, 3, 3, 3, 3, 3, 3], "every compiled run, 3 steps"
-    assert [s.fp8 for s in seen][4] is True and seen[5].batch_size == 64, "2 x gpt2's 32"
-    assert seen[6].batch_size == 64 and seen[6].data == "corpus", "and at the course's vocabulary"
+    assert [s.profile_steps for s in seen] == [0] + [3] * 8, "every compiled run, 3 steps"
+    assert [s.fp8 for s in seen][4] is True and seen[7].batch_size == 64, "2 x gpt2's 32"
+    assert seen[8].batch_size == 64 and seen[8].data == "corpus", "and at the course's vocabulary"
+    assert seen[5].bf16_residual and seen[6].bf16_residual and seen[6].loss == "chunked"
     out = capsys.readouterr().out
     assert "The best run by model TFLOP/s, 2x batch:" in out  # the made-up runs' last
     assert "time by kernel kind, CUDA graphs: 3 profiled step(s)" in out
@@ -454,6 +460,15 @@ def test_benchmark_on_a_gpu_explains_the_best_runs_time_by_kernel_kind(monkeypat
     train.benchmark(parser.parse_args(["--benchmark", "--preset", "gpt2", "--results", "none",
                                        "--profile-steps", "0"]), parser)
     assert [s.profile_steps for s in seen] == [0] * len(train.BENCHMARK_RUNS)
+    # a GPU without native bf16 (before sm80): the bf16 residual rows say why, the rest run
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    seen.clear()
+    capsys.readouterr()
+    rows = train.benchmark(parser.parse_args(["--benchmark", "--preset", "gpt2", "--results",
+                                              "none", "--profile-steps", "0"]), parser)
+    assert len(seen) == len(train.BENCHMARK_RUNS) - 2
+    assert [r["label"] for r in rows if "no native bfloat16" in r.get("skipped", "")] == [
+        "bf16 residual stream", "bf16 residual stream, chunked loss, GPT-2 vocabulary"]
     # a profile with no kernels in it says so instead of a breakdown that is all idle time
     empty = dataclasses.replace(prof, kernels_per_step=0.0, busy_ms_per_step=0.0,
                                 kernels_by_category={}, kernel_ms_by_category={}, top_kernels=())
