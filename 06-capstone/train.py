@@ -591,7 +591,7 @@ BENCHMARK_RUNS = (
                  versus="top rung"),
     BenchmarkRun("bf16 residual stream, chunked loss, GPT-2 vocabulary",
                  {"rung": "top", "data": "random", "loss": "chunked", "bf16_residual": True,
-                  "steps": 60}, versus="chunked loss, GPT-2 vocabulary"),
+                  "steps": 60}, versus="chunked loss, GPT-2 vocabulary", cost=1.2),
     BenchmarkRun("2x batch, chunked loss, GPT-2 vocabulary",
                  {"rung": "top", "data": "random", "loss": "chunked", "steps": 40},
                  versus="chunked loss, GPT-2 vocabulary", cost=1.5, batch_factor=2),
@@ -696,14 +696,16 @@ def _release_compiled(device_type: str) -> None:
         torch.cuda.empty_cache()
 
 
-def _skip_reason(run: BenchmarkRun, device_type: str) -> str:
-    """Why ``run`` cannot run on this machine, or ``""``."""
+def _skip_reason(run: BenchmarkRun, device_type: str, amp: str | None = None) -> str:
+    """Why ``run`` cannot run on this machine (or with ``--amp amp``), or ``""``."""
     if run.overrides.get("fp8"):
         return ladder.fp8_unavailable_reason(device_type)
-    if run.overrides.get("bf16_residual") and device_type == "cuda" \
-            and not torch.cuda.is_bf16_supported(including_emulation=False):
-        return ("a bf16 residual stream needs bf16 autocast, and this GPU has no native "
-                "bfloat16 (it needs sm80+)")
+    if run.overrides.get("bf16_residual"):
+        if amp is not None and amp != "bf16":
+            return f"a bf16 residual stream needs bf16 autocast, and --amp {amp} was given"
+        if device_type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+            return ("a bf16 residual stream needs bf16 autocast, and this GPU has no native "
+                    "bfloat16 (it needs sm80+)")
     return ""
 
 
@@ -713,6 +715,9 @@ def benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list
         parser.error("--benchmark measures one process: run it without torchrun")
     if not args.budget_s > 0:
         parser.error(f"--budget-s must be positive, got {args.budget_s}")
+    if getattr(args, "bf16_residual", None) is not None:
+        parser.error("--benchmark sets --bf16-residual itself, run by run (the fp32 run cannot "
+                     "have it): run the benchmark without it")
     device_type = _device_type(args)
     preset = _preset(args, device_type)
     base_batch = args.batch_size or PRESETS[preset]["batch_size"]
@@ -726,7 +731,7 @@ def benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list
             overrides["steps"] = args.steps
         if run.batch_factor != 1:
             overrides["batch_size"] = base_batch * run.batch_factor
-        reason = _skip_reason(run, device_type)
+        reason = _skip_reason(run, device_type, args.amp)
         spent = time.perf_counter() - start
         if not reason and not run.required and unit_s is not None \
                 and spent + run.cost * unit_s > args.budget_s:
@@ -748,6 +753,13 @@ def benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list
         t0 = time.perf_counter()
         try:
             result = train(run_args, parser)
+        except SystemExit as exc:  # parser.error: settings this run cannot take (said above)
+            if run.required:
+                raise
+            reason = f"failed: its settings were refused (exit code {exc.code}; the message above)"
+            print(f"=== {run.label}: {reason}", flush=True)
+            rows.append({"label": run.label, "versus": run.versus, "skipped": reason})
+            result = None
         except Exception as exc:
             if run.required:
                 raise

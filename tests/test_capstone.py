@@ -378,6 +378,31 @@ def test_benchmark_keeps_to_its_budget_and_survives_a_failing_run(monkeypatch, c
     assert "left out for time" in rows[2]["skipped"] and "--budget-s 1e-09" in rows[2]["skipped"]
     with pytest.raises(SystemExit):
         train.benchmark(parser.parse_args(["--benchmark", "--budget-s", "0"]), parser)
+    # --amp fp16 for every run: the bf16 residual rows say why they cannot run; the rest run
+    seen.clear()
+    rows = train.benchmark(parser.parse_args(["--benchmark", "--device", "cpu", "--results",
+                                              "none", "--amp", "fp16"]), parser)
+    assert [r["label"] for r in rows if "--amp fp16 was given" in r.get("skipped", "")] == [
+        "bf16 residual stream", "bf16 residual stream, chunked loss, GPT-2 vocabulary"]
+    assert not any(s.bf16_residual for s in seen) and len(rows) == len(train.BENCHMARK_RUNS)
+    with pytest.raises(SystemExit):  # the benchmark sets it run by run
+        train.benchmark(parser.parse_args(["--benchmark", "--bf16-residual"]), parser)
+    assert "sets --bf16-residual itself" in capsys.readouterr().err
+    # an optional run whose settings train() refuses (parser.error) becomes a row; the rest run
+    seen.clear()
+    fake = _fake_train(seen)
+
+    def refuses_the_larger_chunked(args, parser):
+        if args.loss == "chunked" and args.batch_size:
+            parser.error("made-up refusal")
+        return fake(args, parser)
+
+    monkeypatch.setattr(train, "train", refuses_the_larger_chunked)
+    rows = train.benchmark(parser.parse_args(["--benchmark", "--device", "cpu", "--results",
+                                              "none"]), parser)
+    (refused,) = [r for r in rows if "refused" in r.get("skipped", "")]
+    assert refused["label"] == "2x batch, chunked loss, GPT-2 vocabulary"
+    assert rows[-1]["label"] == "2x batch" and "skipped" not in rows[-1]
 
 
 def test_benchmark_killed_at_a_time_limit_keeps_what_it_measured(tmp_path, monkeypatch, capsys):

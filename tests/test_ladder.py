@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import utils
 from utils import ladder as L
@@ -740,6 +741,38 @@ def test_a_bf16_residual_stream_halves_what_the_stream_saves_and_keeps_the_loss(
             assert ((a - e).norm() / e.norm().clamp_min(1e-12)).item() < 2 ** -5
     for a, e in zip(results[True, torch.bfloat16], results[False, torch.bfloat16]):
         torch.testing.assert_close(a, e, **utils.tolerance(torch.bfloat16, "cpu", scale=e).kwargs())
+
+
+def test_compiled_a_bf16_stream_is_saved_in_bf16_under_cudas_rule_for_layer_norms(monkeypatch):
+    """CUDA's autocast runs layer_norm in fp32: it casts a bf16 input up, and eagerly that fp32
+    copy is what layer_norm saves for backward, so there the bf16 stream saves nothing. Compiled
+    by Inductor (as the rung always is on a GPU), the bf16 input is saved and cast again in
+    backward. A CPU's autocast leaves layer_norm in its input's dtype, so CUDA's rule is applied
+    here by hand."""
+    original = F.layer_norm
+
+    def cudas_rule(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+        with torch.autocast("cpu", enabled=False):
+            return original(input.float(), normalized_shape, weight, bias, eps)
+
+    monkeypatch.setattr(F, "layer_norm", cudas_rule)
+    model = L.gpt_model_fn(TINY, seed=4)(L.TrainConfig(sdpa=True))
+    x, y = tiny_batch(5)
+    dtypes = {}
+    for compiled in (False, True):
+        for dtype in (None, torch.bfloat16):
+            torch.compiler.reset()
+            module = L.LossModule(model, TINY.vocab_size, residual_dtype=dtype)
+            run = torch.compile(module, dynamic=False) if compiled else module
+            loss, saved = _saved_for_backward(run, x, y)
+            loss.backward()
+            dtypes[compiled, dtype] = {d for d, s in saved if s and s[-1] == TINY.n_embd
+                                       and math.prod(s[:-1]) == x.numel()}
+    torch.compiler.reset()
+    # (B, T, C)-shaped tensors saved in bf16 are there in every case: the matmuls' bf16 inputs
+    assert torch.float32 in dtypes[False, None] and torch.float32 in dtypes[True, None]
+    assert torch.float32 in dtypes[False, torch.bfloat16], "eagerly, the up-cast copy is saved"
+    assert torch.float32 not in dtypes[True, torch.bfloat16], dtypes
 
 
 GPT2 = dict(block_size=1024, n_layer=12, n_head=12, n_embd=768)

@@ -211,12 +211,14 @@ class TrainConfig:
             The rung's MFU stays against its autocast dtype's ceilings (no FP8 ceiling is
             measured), so it can pass what that dtype's matmuls allow.
         bf16_residual: the residual stream between the blocks in bf16, not fp32
-            (:class:`LossModule`'s ``residual_dtype``, set by the :class:`Trainer`). Under autocast the
-            stream is otherwise fp32: the sum of fp32 embeddings and the blocks' bf16 outputs,
-            which every residual add and layer norm reads and writes at 4 bytes an element,
-            forward and backward. In bf16 those kernels move half the bytes; the layer norms
-            still compute in fp32 (autocast runs them in fp32). llm.c keeps its activations in
-            bf16 too. Needs ``amp="bf16"`` and a TinyGPT-like model (``blocks``).
+            (:class:`LossModule`'s ``residual_dtype``, set by the :class:`Trainer`). Under
+            autocast the stream is otherwise fp32: the sum of fp32 embeddings and the blocks'
+            bf16 outputs, which every residual add and layer norm reads and writes at 4 bytes
+            an element, forward and backward; in bf16, at 2. CUDA's autocast still runs the
+            layer norms in fp32, casting their input up: eagerly that fp32 copy is what they
+            save for backward, compiled Inductor saves the bf16 input instead (a CPU's autocast
+            leaves layer norms in their input's dtype). llm.c keeps its activations in bf16 too.
+            Needs ``amp="bf16"`` and a TinyGPT-like model (:func:`gpt_hidden_states`).
 
     Raises:
         ValueError: an unknown ``amp``, ``compile`` or ``loss`` value, a count below 1,
@@ -345,8 +347,8 @@ class TrainConfig:
                             "CUDA GPU of compute capability 8.9+ and torchao: " + FP8_INSTALL_HINT)
         g.add_argument("--bf16-residual", action=argparse.BooleanOptionalAction, default=None,
                        help="the residual stream between the transformer blocks in bf16 (with "
-                            "--amp bf16): its adds and layer norms move half the bytes; the "
-                            "layer norms still compute in fp32")
+                            "--amp bf16): its adds and layer norms read and write it at 2 bytes "
+                            "an element, not 4 (on CUDA the layer norms still compute in fp32)")
 
     def with_args(self, args: argparse.Namespace) -> "TrainConfig":
         """This config with the flags of :meth:`add_arguments` that were given applied.
@@ -575,8 +577,9 @@ def gpt_hidden_states(model: nn.Module, idx: torch.Tensor, *,
         residual_dtype: cast the residual stream (the embeddings' sum) to this dtype before
             the first block. Under autocast of the same dtype every block keeps it there:
             each adds its attention's and its MLP's output, autocast matmuls' results of that
-            dtype, to it; the layer norms read it and compute in fp32. ``None``: as the model
-            does (under autocast, an fp32 stream).
+            dtype, to it; the layer norms read it (CUDA's autocast runs them in fp32, a CPU's
+            in the input's dtype). ``None``: as the model does (under autocast, an fp32
+            stream).
 
     Raises:
         ValueError: a model without TinyGPT's parts (``tok_emb``, ``pos_emb``, ``blocks``,
