@@ -44,6 +44,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import io
 import json
 import math
 import os
@@ -598,6 +599,9 @@ BENCHMARK_RUNS = (
     BenchmarkRun("2x batch", {"rung": "top", "steps": 40}, versus="top rung", cost=1.5,
                  batch_factor=2),
 )
+#: --benchmark's claim: the bf16 residual stream's final loss is within this share of the top
+#: rung's (the same weights, batches and 60 steps): the ladder notebook's bar between rungs.
+BF16_RESIDUAL_LOSS_TOL = 0.02
 #: --fp8-sweep's widths: GPT-2 small's 768 up to the widths of 7B-class models.
 FP8_SWEEP_WIDTHS = "768,1024,1536,2048,3072,4096"
 #: --fp8-sweep: FP8 "pays" from the smallest width at which it is at least this much faster
@@ -781,10 +785,11 @@ def benchmark(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list
             print(f"\n--- the table so far, after {time.perf_counter() - start:.0f} s ---")
             print_benchmark_table(rows, device_type, breakdown=False)
             if (args.results or "").lower() != "none":
-                write_benchmark_ledger(args, rows)
+                with contextlib.redirect_stdout(io.StringIO()):  # its claims: printed at the end
+                    write_benchmark_ledger(args, rows)
     print_benchmark_table(rows, device_type)
-    if (args.results or "").lower() != "none":
-        path = write_benchmark_ledger(args, rows)
+    path = write_benchmark_ledger(args, rows, save=(args.results or "").lower() != "none")
+    if path is not None:
         print(f"figures: {path}")
     print(f"--benchmark: {time.perf_counter() - start:.0f} s in all, imports included")
     return rows
@@ -851,8 +856,10 @@ def print_benchmark_table(rows: list[dict], device_type: str, breakdown: bool = 
             print(line)
 
 
-def write_benchmark_ledger(args: argparse.Namespace, rows: list[dict]) -> Path:
-    """--benchmark's figures as one ledger (``06-capstone/train_benchmark``)."""
+def write_benchmark_ledger(args: argparse.Namespace, rows: list[dict], *,
+                           save: bool = True) -> Path | None:
+    """--benchmark's figures as one ledger (``06-capstone/train_benchmark``), its claims
+    printed; saved (its path returned) unless ``save`` is false."""
     ledger = utils.Ledger("06-capstone/train_benchmark",
                           smoke=_preset(args, _device_type(args)) == "tiny",
                           env=utils.get_env(args.device), strict=False)
@@ -884,6 +891,9 @@ def write_benchmark_ledger(args: argparse.Namespace, rows: list[dict]) -> Path:
                 ledger.record(f"{name}_{key}", value, "GiB",
                               note="the run's most GPU memory, allocated by tensors or "
                                    "reserved by the caching allocator")
+        if math.isfinite(r.get("final_loss", math.nan)):
+            ledger.record(f"final_loss_{key}", r["final_loss"], "",
+                          note="the training loss of the run's last step")
         g = _gain(r, ran)
         if g is not None and r["label"] != "top rung":
             ledger.record(f"gain_{key}", g, "x", note=f"tokens/s over {r['versus']}")
@@ -898,6 +908,18 @@ def write_benchmark_ledger(args: argparse.Namespace, rows: list[dict]) -> Path:
     if base and top and math.isfinite(base["tokens_per_s"]) and \
             math.isfinite(top["tokens_per_s"]) and base["tokens_per_s"] > 0:
         ledger.record("speedup_top_over_fp32", top["tokens_per_s"] / base["tokens_per_s"], "x")
+    residual = ran.get("bf16 residual stream")
+    if residual and top and math.isfinite(residual.get("final_loss", math.nan)) \
+            and math.isfinite(top.get("final_loss", math.nan)):
+        ledger.expect("bf16_residual_final_loss_rel_diff",
+                      abs(residual["final_loss"] / top["final_loss"] - 1),
+                      at_most=BF16_RESIDUAL_LOSS_TOL, unit="fraction",
+                      description="|the final loss with a bf16 residual stream / the top rung's "
+                                  "- 1|: the same weights, batches and steps",
+                      reason="the stream rounds what each block adds to bf16's 8 bits; a stream "
+                             "that lost those updates would train slower and end higher")
+    if not save:
+        return None
     path = Path(args.results) if args.results else \
         utils.results_dir() / "06-capstone__train_benchmark.json"
     return ledger.save(path)

@@ -293,7 +293,7 @@ def test_batches_on_the_device_match_the_host_batches_with_no_copy_per_step():
         dev_batches(4)
 
 
-def _fake_train(seen, fail_on=None, profile=None):
+def _fake_train(seen, fail_on=None, profile=None, final_loss=lambda args, n: 4.0 + 0.01 * n):
     """train() stood in for: a result shaped like train()'s, faster with every run."""
     def fake(args, parser):
         if fail_on is not None and fail_on(args):
@@ -306,7 +306,8 @@ def _fake_train(seen, fail_on=None, profile=None):
                "vocab_size": 50257 if random else 8257, "padded_vocab": 50304 if random else 8320,
                "report": report, "batch_size": args.batch_size or 16, "settings": "s",
                "flops_per_step": 2e12, "ceiling_tflops": 700.0, "ceiling_kind": "bf16",
-               "peak_gib": 10.0 * n, "peak_reserved_gib": 10.0 * n + 1.5}
+               "peak_gib": 10.0 * n, "peak_reserved_gib": 10.0 * n + 1.5,
+               "final_loss": final_loss(args, n)}
         if args.rung == "fp32":  # a CPU run has no GPU memory to report
             out["peak_gib"] = out["peak_reserved_gib"] = math.nan
         if profile is not None:
@@ -357,6 +358,10 @@ def test_benchmark_runs_every_run_says_why_one_is_skipped_and_prints_one_table(
     assert led["gain_chunked_loss_GPT2_vocabulary"] == pytest.approx(4 / 3)
     assert "tokens_per_s_FP8_linears" not in led.measurements
     assert led["gain_bf16_residual_stream"] == pytest.approx(2.5)
+    assert led["final_loss_top_rung"] == pytest.approx(4.02)
+    (claim,) = led.expectations.values()  # smoke size (the tiny preset): recorded, not checked
+    assert claim.name == "bf16_residual_final_loss_rel_diff" and claim.status == "not applicable"
+    assert claim.value == pytest.approx(0.03 / 4.02)
     assert len(rows) == len(train.BENCHMARK_RUNS) == 9 and "skipped" in rows[4]
 
 
@@ -401,6 +406,17 @@ def test_benchmark_keeps_to_its_budget_and_survives_a_failing_run(monkeypatch, c
     rows = train.benchmark(parser.parse_args(["--benchmark", "--device", "cpu", "--results",
                                               "none"]), parser)
     (refused,) = [r for r in rows if "refused" in r.get("skipped", "")]
+    # the bf16 residual stream's claim, at full size: its final loss against the top rung's
+    capsys.readouterr()
+    for higher, status in ((1.01, "met"), (1.05, "not met")):
+        monkeypatch.setattr(train, "train", _fake_train(
+            [], final_loss=lambda args, n: 4.0 * (higher if args.bf16_residual else 1.0)))
+        train.benchmark(parser.parse_args(["--benchmark", "--device", "cpu", "--preset", "gpt2",
+                                           "--results", "none"]), parser)
+        out = capsys.readouterr().out
+        line = [ln for ln in out.splitlines() if "bf16 residual stream / the top rung" in ln]
+        verdict = "[  MET  ]" if status == "met" else "[NOT MET]"
+        assert len(line) == 1 and line[0].startswith(verdict), line
     assert refused["label"] == "2x batch, chunked loss, GPT-2 vocabulary"
     assert rows[-1]["label"] == "2x batch" and "skipped" not in rows[-1]
 
