@@ -709,6 +709,11 @@ def test_a_bf16_residual_stream_halves_what_the_stream_saves_and_keeps_the_loss(
         L.LossModule(nn.Linear(4, 3), residual_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="floating-point"):
         L.LossModule(utils.TinyGPT(TINY), residual_dtype=torch.int8)
+    long = torch.zeros(1, TINY.block_size + 1, dtype=torch.long)  # refused as TinyGPT refuses it
+    with pytest.raises(ValueError, match="exceeds"):
+        L.LossModule(utils.TinyGPT(TINY), residual_dtype=torch.bfloat16)(long, long)
+    with pytest.raises(ValueError, match=r"\(batch, time\)"):
+        L.gpt_hidden_states(utils.TinyGPT(TINY), long[0])
 
     model = L.gpt_model_fn(TINY, seed=2)(cfg)
     x, y = tiny_batch(3)

@@ -583,12 +583,18 @@ def gpt_hidden_states(model: nn.Module, idx: torch.Tensor, *,
 
     Raises:
         ValueError: a model without TinyGPT's parts (``tok_emb``, ``pos_emb``, ``blocks``,
-            ``ln_f``, ``head``).
+            ``ln_f``, ``head``), or ``idx`` that is not ``(batch, time)`` or is longer than the
+            position embeddings, as :class:`utils.TinyGPT`'s forward refuses them.
     """
     missing = [a for a in _GPT_PARTS if not hasattr(model, a)]
     if missing:
         raise ValueError(f"{type(model).__name__} is not a TinyGPT-like model: it has no "
                          f"{', '.join(missing)}")
+    if idx.dim() != 2:
+        raise ValueError(f"idx must be (batch, time) token ids, got shape {tuple(idx.shape)}")
+    if idx.size(1) > model.pos_emb.num_embeddings:
+        raise ValueError(f"sequence length {idx.size(1)} exceeds the model's "
+                         f"{model.pos_emb.num_embeddings} positions")
     h = model.tok_emb(idx) + model.pos_emb(torch.arange(idx.size(1), device=idx.device))
     if residual_dtype is not None:
         h = h.to(residual_dtype)
