@@ -979,17 +979,19 @@ def fp8_sweep(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list
     path = None if args.results == "none" else (
         Path(args.results) if args.results else
         utils.results_dir() / "06-capstone__train_fp8_sweep.json")
+    measured: list = []
 
-    def save(points_so_far: list) -> None:
+    def on_point(point: ladder.Fp8SweepPoint) -> None:
         # after every width, so a sweep stopped at a time limit keeps the widths it measured
+        measured.append(point)
         if path is not None:
-            _fp8_sweep_ledger(points_so_far, widths, tokens, preset, env).save(path)
+            with contextlib.redirect_stdout(io.StringIO()):  # its claim: printed at the end
+                _fp8_sweep_ledger(measured, widths, tokens, preset, env).save(path)
 
-    done: list = []
     points = ladder.fp8_mlp_sweep(widths, tokens=tokens, device=device,
                                   compile=device.type == "cuda",
                                   progress=lambda line: print("  " + line, flush=True),
-                                  on_point=lambda p: (done.append(p), save(done)))
+                                  on_point=on_point)
     print(utils.format_table(
         [["width", "bf16 ms", "FP8 ms", "bf16 TFLOP/s", "FP8 TFLOP/s", "FP8 speedup"]]
         + [[p.width, p.bf16_ms, p.fp8_ms, p.tflops(p.bf16_ms), p.tflops(p.fp8_ms),
@@ -998,7 +1000,7 @@ def fp8_sweep(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list
     print(f"FP8 is at least {FP8_PAYS_AT:g}x bf16 at every width from {start} on" if start else
           f"FP8 is not {FP8_PAYS_AT:g}x bf16 at the largest width measured ({max(widths)})")
     if path is not None:
-        save(points)
+        _fp8_sweep_ledger(points, widths, tokens, preset, env).save(path)
         print(f"figures: {path}")
     return points
 

@@ -570,6 +570,7 @@ def test_fp8_sweep_times_both_kinds_per_width_and_says_where_fp8_pays(tmp_path, 
     verdict = ("FP8 is at least 1.1x bf16 at every width from 16 on" if p.speedup >= 1.1 else
                "FP8 is not 1.1x bf16 at the largest width measured (16)")
     assert "FP8 speedup" in text and verdict in text, text
+    assert text.count("bf16 time / FP8 time") == 1, "the claim, printed once at the end"
     led = json.loads(out.read_text())
     keys = {m["name"] for m in led["measurements"]}
     assert {"fp8_mlp_d16_speedup", "fp8_mlp_d16_fp8_tflops", "fp8_pays_from_width"} <= keys
@@ -592,7 +593,7 @@ def test_fp8_sweep_times_both_kinds_per_width_and_says_where_fp8_pays(tmp_path, 
     assert claim["status"] == "not applicable" and "4096 tokens" in claim["reason"]
 
 
-def test_fp8_sweep_saves_each_width_as_it_ends(tmp_path, monkeypatch):
+def test_fp8_sweep_saves_each_width_as_it_ends(tmp_path, monkeypatch, capsys):
     """A sweep stopped at a time limit (the H100 run of 2026-11-27 was, at its last width) keeps
     the widths it measured: the ledger is written after each one, claim included."""
     parser = train.build_parser()
@@ -621,6 +622,7 @@ def test_fp8_sweep_saves_each_width_as_it_ends(tmp_path, monkeypatch):
                 if e["name"] == "fp8_mlp_speedup_at_largest_width"]
     assert claim["status"] == "met" and claim["value"] == pytest.approx(23 / 17)
     assert "width 3072 (the largest measured)" in claim["description"]
+    assert "bf16 time / FP8 time" not in capsys.readouterr().out, "saved quietly as it goes"
 
 
 def test_fp8_pays_from_the_smallest_width_after_which_it_always_pays():

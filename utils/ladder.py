@@ -638,18 +638,17 @@ class LossModule(nn.Module):
         if loss not in LOSSES:
             raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
         _positive_int("chunks", chunks)
+        missing = [a for a in _GPT_PARTS if not hasattr(model, a)]
         if residual_dtype is not None:
             if not (isinstance(residual_dtype, torch.dtype) and residual_dtype.is_floating_point):
                 raise ValueError(f"residual_dtype must be a floating-point torch.dtype or None, "
                                  f"got {residual_dtype!r}")
-            missing = [a for a in _GPT_PARTS if not hasattr(model, a)]
             if missing:
                 raise ValueError(f"a residual_dtype needs a TinyGPT-like model (its parts "
                                  f"{', '.join(_GPT_PARTS)}); {type(model).__name__} has no "
                                  f"{', '.join(missing)}")
         self.residual_dtype = residual_dtype
         if loss == "chunked":
-            missing = [a for a in _GPT_PARTS if not hasattr(model, a)]
             head = getattr(model, "head", None)
             if missing or not isinstance(head, nn.Linear) or head.bias is not None:
                 raise ValueError(
