@@ -276,7 +276,7 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, world: in
     if sizes["n_embd"] % sizes["n_head"]:
         parser.error(f"--n-embd ({sizes['n_embd']}) must be divisible by --n-head "
                      f"({sizes['n_head']})")
-    bf16_ok = device_type == "cpu" or torch.cuda.is_bf16_supported(including_emulation=False)
+    bf16_ok = _native_bf16(device_type)
     amp = "bf16" if bf16_ok else "fp16"
     notes: list[str] = []
     try:
@@ -685,6 +685,11 @@ def _preset(args: argparse.Namespace, device_type: str) -> str:
     return args.preset if args.preset != "auto" else ("gpt2" if device_type == "cuda" else "tiny")
 
 
+def _native_bf16(device_type: str) -> bool:
+    """Whether bf16 autocast runs natively here: always on a CPU, on sm80+ CUDA GPUs."""
+    return device_type == "cpu" or torch.cuda.is_bf16_supported(including_emulation=False)
+
+
 def _device_type(args: argparse.Namespace) -> str:
     if args.device in ("cpu", "cuda"):
         return args.device
@@ -707,7 +712,7 @@ def _skip_reason(run: BenchmarkRun, device_type: str, amp: str | None = None) ->
     if run.overrides.get("bf16_residual"):
         if amp is not None and amp != "bf16":
             return f"a bf16 residual stream needs bf16 autocast, and --amp {amp} was given"
-        if device_type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        if not _native_bf16(device_type):
             return ("a bf16 residual stream needs bf16 autocast, and this GPU has no native "
                     "bfloat16 (it needs sm80+)")
     return ""
