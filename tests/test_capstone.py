@@ -331,7 +331,7 @@ def test_benchmark_runs_every_run_says_why_one_is_skipped_and_prints_one_table(
         ("fp32", "corpus", None, None, None, None), ("top", "corpus", None, None, None, None),
         ("top", "random", None, None, None, None), ("top", "random", "chunked", None, None, None),
         ("top", "corpus", None, None, True, None), ("top", "random", "chunked", None, True, None),
-        ("top", "random", "chunked", None, None, 32), ("top", "corpus", None, None, None, 32)], \
+        ("top", "random", "chunked", None, True, 32), ("top", "corpus", None, None, True, 32)], \
         "the FP8 run is not run on a CPU; 2 x 16"
     assert all(s.out == "none" and s.results == "none" for s in seen), "no checkpoint, no ledger"
     assert all(s.ceiling_cache is seen[0].ceiling_cache for s in seen), "one ceiling per kind"
@@ -343,7 +343,9 @@ def test_benchmark_runs_every_run_says_why_one_is_skipped_and_prints_one_table(
     assert re.search(r"^FP8 linears +skipped: FP8 training needs a CUDA GPU", out, re.M), "its row"
     assert "1.33x over top rung, GPT-2 vocabulary" in out  # 200,000 / 150,000 tokens/s
     assert "1.50x over chunked loss, GPT-2 vocabulary" in out  # bf16 residual: 300k / 200k
-    assert "1.75x over chunked loss, GPT-2 vocabulary" in out  # 2x batch: 350k / 200k
+    # 2x batch, on the bf16 residual rows: 350k / 300k and 400k / 250k
+    assert "1.17x over bf16 residual stream, chunked loss, GPT-2 vocabulary" in out
+    assert "1.60x over bf16 residual stream" in out
     assert "2.50x over top rung" in out  # bf16 residual: 250k / 100k
     assert "Time by kernel kind: skipped (profiled on CUDA only" in out
     # the peak memory column: the allocator's reserve, '-' where there is none to report
@@ -388,7 +390,9 @@ def test_benchmark_keeps_to_its_budget_and_survives_a_failing_run(monkeypatch, c
     rows = train.benchmark(parser.parse_args(["--benchmark", "--device", "cpu", "--results",
                                               "none", "--amp", "fp16"]), parser)
     assert [r["label"] for r in rows if "--amp fp16 was given" in r.get("skipped", "")] == [
-        "bf16 residual stream", "bf16 residual stream, chunked loss, GPT-2 vocabulary"]
+        "bf16 residual stream", "bf16 residual stream, chunked loss, GPT-2 vocabulary",
+        "2x batch, bf16 residual stream, chunked loss, GPT-2 vocabulary",
+        "2x batch, bf16 residual stream"]
     assert not any(s.bf16_residual for s in seen) and len(rows) == len(train.BENCHMARK_RUNS)
     with pytest.raises(SystemExit):  # the benchmark sets it run by run
         train.benchmark(parser.parse_args(["--benchmark", "--bf16-residual"]), parser)
@@ -417,8 +421,8 @@ def test_benchmark_keeps_to_its_budget_and_survives_a_failing_run(monkeypatch, c
         line = [ln for ln in out.splitlines() if "bf16 residual stream / the top rung" in ln]
         verdict = "[  MET  ]" if status == "met" else "[NOT MET]"
         assert len(line) == 1 and line[0].startswith(verdict), line
-    assert refused["label"] == "2x batch, chunked loss, GPT-2 vocabulary"
-    assert rows[-1]["label"] == "2x batch" and "skipped" not in rows[-1]
+    assert refused["label"] == "2x batch, bf16 residual stream, chunked loss, GPT-2 vocabulary"
+    assert rows[-1]["label"] == "2x batch, bf16 residual stream" and "skipped" not in rows[-1]
 
 
 def test_benchmark_killed_at_a_time_limit_keeps_what_it_measured(tmp_path, monkeypatch, capsys):
@@ -491,9 +495,9 @@ def test_benchmark_on_a_gpu_explains_the_best_runs_time_by_kernel_kind(monkeypat
     assert [s.profile_steps for s in seen] == [0] + [3] * 8, "every compiled run, 3 steps"
     assert [s.fp8 for s in seen][4] is True and seen[7].batch_size == 64, "2 x gpt2's 32"
     assert seen[8].batch_size == 64 and seen[8].data == "corpus", "and at the course's vocabulary"
-    assert seen[5].bf16_residual and seen[6].bf16_residual and seen[6].loss == "chunked"
+    assert all(s.bf16_residual for s in seen[5:]) and seen[6].loss == seen[7].loss == "chunked"
     out = capsys.readouterr().out
-    assert "The best run by model TFLOP/s, 2x batch:" in out  # the made-up runs' last
+    assert "The best run by model TFLOP/s, 2x batch, bf16 residual stream:" in out  # the last
     assert "time by kernel kind, CUDA graphs: 3 profiled step(s)" in out
     # --profile-steps 0 turns the profiler off in --benchmark too (a profiler fault on CUDA
     # graphs can end the process, and with it the later runs)
@@ -501,15 +505,17 @@ def test_benchmark_on_a_gpu_explains_the_best_runs_time_by_kernel_kind(monkeypat
     train.benchmark(parser.parse_args(["--benchmark", "--preset", "gpt2", "--results", "none",
                                        "--profile-steps", "0"]), parser)
     assert [s.profile_steps for s in seen] == [0] * len(train.BENCHMARK_RUNS)
-    # a GPU without native bf16 (before sm80): the bf16 residual rows say why, the rest run
+    # a GPU without native bf16 (before sm80): the four bf16 residual rows say why, the rest run
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
     seen.clear()
     capsys.readouterr()
     rows = train.benchmark(parser.parse_args(["--benchmark", "--preset", "gpt2", "--results",
                                               "none", "--profile-steps", "0"]), parser)
-    assert len(seen) == len(train.BENCHMARK_RUNS) - 2
+    assert len(seen) == len(train.BENCHMARK_RUNS) - 4
     assert [r["label"] for r in rows if "no native bfloat16" in r.get("skipped", "")] == [
-        "bf16 residual stream", "bf16 residual stream, chunked loss, GPT-2 vocabulary"]
+        "bf16 residual stream", "bf16 residual stream, chunked loss, GPT-2 vocabulary",
+        "2x batch, bf16 residual stream, chunked loss, GPT-2 vocabulary",
+        "2x batch, bf16 residual stream"]
     # a profile with no kernels in it says so instead of a breakdown that is all idle time
     empty = dataclasses.replace(prof, kernels_per_step=0.0, busy_ms_per_step=0.0,
                                 kernels_by_category={}, kernel_ms_by_category={}, top_kernels=())
