@@ -11,7 +11,9 @@ single settings. Beyond the ladder, --loss chunked computes the head and the los
 of tokens at a time (module 04's utils.chunked_linear_cross_entropy), --fp8 runs the
 transformer blocks' linear layers in FP8 (torchao's float8 training; CUDA sm89+),
 --bf16-residual keeps the residual stream between the blocks in bf16 (with --amp bf16), and
---compile max-autotune-gemm autotunes the matmuls (max-autotune, bounded to them).
+--compile max-autotune-gemm autotunes the matmuls (max-autotune, bounded to them), and
+--compile reduce-overhead-tuned tunes the kernels Inductor generates instead (max-autotune's
+other half).
 
 It prints the loss, tokens/s and MFU as it goes (a progress bar, plus a line every
 --log-every steps), against a matmul ceiling it measures on this machine at start,
@@ -26,6 +28,7 @@ Examples:
     python 06-capstone/train.py --loss chunked --data random           # GPT-2's vocabulary, chunked loss
     python 06-capstone/train.py --fp8 --steps 100                      # FP8 linears (H100, L4, ...)
     python 06-capstone/train.py --compile max-autotune-gemm --steps 60 # autotuned matmuls
+    python 06-capstone/train.py --compile reduce-overhead-tuned --steps 60  # tuned Triton kernels
     python 06-capstone/train.py --bf16-residual --steps 60             # a bf16 residual stream
     python 06-capstone/train.py --benchmark                            # one table, the runs below
     torchrun --standalone --nproc-per-node=8 06-capstone/train.py      # DDP, one process per GPU

@@ -110,10 +110,12 @@ def test_help_lists_the_ladder_flags():
     (["--device", "tpu"], "--device must be cpu or cuda"),
     (["--loss", "fused"], "invalid choice"),
     (["--compile", "max-autotune-gemm"], "CUDA graphs"),
+    (["--compile", "reduce-overhead-tuned"], "CUDA graphs"),
     (["--profile-steps", "-1"], "--profile-steps must be >= 0"),
 ])
 def test_bad_flags_get_a_clear_error(args, message, capsys):
-    if {"reduce-overhead", "max-autotune-gemm"} & set(args) and torch.cuda.is_available():
+    if {"reduce-overhead", "max-autotune-gemm", "reduce-overhead-tuned"} & set(args) and \
+            torch.cuda.is_available():
         pytest.skip("CUDA graphs are allowed on a GPU")
     with pytest.raises(SystemExit) as exc:
         train.main(["--preset", "tiny", *args])

@@ -597,6 +597,16 @@ def test_loss_fp8_and_the_bounded_autotune_mode_as_settings_and_flags():
     assert L.compile_kwargs("max-autotune") == {"mode": "max-autotune"}
     assert L.compile_kwargs("max-autotune-gemm") == {
         "options": {"max_autotune_gemm": True, "triton.cudagraphs": True}}
+    # reduce-overhead-tuned: max-autotune's options less the matmul autotuning, so the same
+    # CUDA graphs as reduce-overhead and the tuning of the kernels Inductor writes
+    tuned = L.compile_kwargs("reduce-overhead-tuned")["options"]
+    ma = torch._inductor.list_mode_options("max-autotune")
+    ro = torch._inductor.list_mode_options("reduce-overhead")
+    assert tuned == {k: v for k, v in ma.items() if k != "max_autotune"}
+    assert ro.items() <= tuned.items() and tuned["coordinate_descent_tuning"] is True
+    assert L.TrainConfig(compile="reduce-overhead-tuned").uses_cuda_graphs
+    with pytest.raises(ValueError, match="169545"):
+        L.TrainConfig(compile="reduce-overhead-tuned", accum_steps=2)
     for mode in L.TRAIN_COMPILE_MODES:
         torch.compile(nn.Linear(2, 2), **L.compile_kwargs(mode))  # unknown options raise here
     with pytest.raises(ValueError, match="max-autotune-gemm"):

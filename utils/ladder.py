@@ -138,13 +138,18 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 #: bounded to the matmuls (Inductor's ``max_autotune_gemm``: each distinct matmul shape of the
 #: step is timed against Triton templates on its first call), without ``max-autotune``'s
 #: coordinate-descent tuning of every generated kernel, which is most of its compile time;
-#: with CUDA graphs, as ``max-autotune``.
+#: with CUDA graphs, as ``max-autotune``. ``reduce-overhead-tuned``: ``reduce-overhead`` plus
+#: max-autotune's other half, Inductor's coordinate-descent tuning of every Triton kernel it
+#: generates (block sizes and warps, searched from its heuristic's choice); the matmuls stay
+#: with the vendor library (cuBLAS), as in ``reduce-overhead``.
 _COURSE_COMPILE_OPTIONS: dict[str, dict[str, Any]] = {
     "max-autotune-gemm": {"max_autotune_gemm": True, "triton.cudagraphs": True},
+    "reduce-overhead-tuned": {"coordinate_descent_tuning": True, "triton.cudagraphs": True},
 }
 #: The compile modes a :class:`TrainConfig` may use: torch's and the course's.
 TRAIN_COMPILE_MODES = COMPILE_MODES + tuple(_COURSE_COMPILE_OPTIONS)
-_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune", "max-autotune-gemm")
+_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune", "max-autotune-gemm",
+                     "reduce-overhead-tuned")
 #: The losses a :class:`TrainConfig` may use: ``plain`` (the head's logits, then
 #: ``F.cross_entropy``) or ``chunked`` (:func:`utils.losses.chunked_linear_cross_entropy`: the
 #: head and the loss as one function, the logits never whole).
@@ -328,7 +333,9 @@ class TrainConfig:
                             "alternatives for every matmul shape and coordinate-descent-tune "
                             "every generated kernel on the first step (minutes of compilation "
                             "on a GPU); max-autotune-gemm bounds that to the matmuls (with CUDA "
-                            "graphs). The first step's time, printed apart, is what it cost")
+                            "graphs), reduce-overhead-tuned to the generated kernels (CUDA "
+                            "graphs and coordinate-descent tuning, the matmuls left to cuBLAS). "
+                            "The first step's time, printed apart, is what it cost")
         g.add_argument("--fused-adamw", action=argparse.BooleanOptionalAction, default=None,
                        help="torch.optim.AdamW(fused=True)")
         g.add_argument("--vocab-multiple", type=int, default=None, metavar="N",
