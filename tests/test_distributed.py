@@ -299,3 +299,39 @@ def test_notebooks_sbatch_gives_srun_the_jobs_cpus():
     runs, envs, _ = _dry_run("notebooks.sbatch", 1, 8, 24, 777)
     assert runs and all("--cpus-per-task=24" in argv for argv in runs)
     assert all(e.get("SRUN_CPUS_PER_TASK") == "24" for e in envs)
+
+
+_DDP_THEN_ALL_GATHER = """
+import sys, torch, torch.distributed as dist, torch.nn as nn
+import utils.distributed as ud
+
+
+def one_round():
+    with ud.single_process_group():
+        model = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        model(torch.randn(2, 4)).sum().backward()
+        out = torch.empty(2)
+        dist.all_gather_into_tensor(out, torch.ones(2))
+    # the group is gone; the DDP model, which still holds it, is freed on return, at once
+
+
+for i in range(int(sys.argv[1])):
+    one_round()
+print("rounds done")
+"""
+
+
+def test_single_process_group_does_not_hang_when_a_ddp_model_outlives_it():
+    """torch 2.11: a gloo group freed with the DDP model that outlived it, right after an
+    all-gather, deadlocked on the GIL within a few hundred rounds (the CI's torch 2.11 pass hung
+    in tests/test_collectives.py). single_process_group lets gloo's workers settle first; a
+    hang here is stopped by the timeout and fails."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    try:
+        r = subprocess.run([sys.executable, "-c", _DDP_THEN_ALL_GATHER, "300"], env=env,
+                           capture_output=True, text=True, timeout=90)
+    except subprocess.TimeoutExpired:
+        pytest.fail("300 rounds of DDP in a one-rank gloo group did not end in 90 s: a hang")
+    assert r.returncode == 0 and "rounds done" in r.stdout, r.stderr[-2000:]

@@ -367,6 +367,8 @@ def worker(backend: str | None = None, timeout_s: float = 120) -> Iterator[Worke
         # before any tears down. Without this, gloo ranks occasionally abort at exit.
         gc.collect()
         info.barrier()
+        if backend == "gloo":
+            time.sleep(_GLOO_SETTLE_S)  # after the barrier: see _GLOO_SETTLE_S
     finally:
         dist.destroy_process_group()
 
@@ -561,6 +563,18 @@ def sum_error_bound(abs_sum: torch.Tensor, n_terms: int,
     return abs_sum * (k * u / (1 - k * u))
 
 
+#: How long :func:`single_process_group` and :func:`worker` wait, with the GIL released, after
+#: their last barrier: time for gloo's worker threads to drop the work they just finished.
+_GLOO_SETTLE_S = 0.01
+#: Why: with torch 2.11, a gloo group destroyed while a DDP model still holds it is freed when
+#: that model is. The process then holds the GIL while it joins gloo's worker threads, and a
+#: worker still dropping a finished collective (an all-gather of Python-owned tensors) waits for
+#: the GIL: neither moves, and the process hangs. (A loop of DDP in a one-rank group, then an
+#: all-gather, hung within a few hundred rounds with torch 2.11, not with 2.15;
+#: tests/test_distributed.py.) A barrier waits for the collectives before it; the pause, with
+#: the GIL released, lets the workers let go of them.
+
+
 @contextmanager
 def single_process_group(backend: str = "gloo", timeout_s: float = 60) -> Iterator[None]:
     """A process group of one rank in this process (no torchrun), destroyed on exit.
@@ -581,7 +595,9 @@ def single_process_group(backend: str = "gloo", timeout_s: float = 60) -> Iterat
                             timeout=_dt.timedelta(seconds=timeout_s))
     try:
         yield
+        dist.barrier()  # on success only: after an error it could raise over that error
     finally:
+        time.sleep(_GLOO_SETTLE_S)  # see _GLOO_SETTLE_S
         dist.destroy_process_group()
 
 
