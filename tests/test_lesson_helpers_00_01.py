@@ -192,3 +192,40 @@ def test_compile_probe_run_quotes_the_failing_probe_and_checks_its_arguments(tmp
         probe.run("partial", tmp_path, workdir=tmp_path, deadline_s=60)
     with pytest.raises(ValueError, match="deadline_s"):
         probe.run("whole", tmp_path, workdir=tmp_path, deadline_s=0)
+
+
+def _check_1_and_solution():
+    """00/01's Exercise 1 solution cell and its Check 1 cell, as source."""
+    import json
+
+    from conftest import REPO
+
+    nb = json.loads((REPO / "00-foundations" / "01_measuring_performance.ipynb").read_text())
+    code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    (solution,) = [s for s in code if s.startswith("# Exercise 1: a correct timer")]
+    (check,) = [s for s in code if s.startswith("# Check 1:")]
+    return solution, check
+
+
+@pytest.mark.parametrize("wrong, why", [
+    ("return statistics.median(times) / 1e3", "seconds instead of milliseconds"),
+    ("return sum(times)", "the total of the n calls"),
+    ("return statistics.median(times) * 1e3", "microseconds"),
+    # passes the sleep-based part (2 ms + 5 ms < 10 ms); only the band catches it
+    ("return statistics.median(times) + 5.0", "5 ms of overhead timed with every call"),
+])
+def test_00_01_check_1_passes_the_solution_and_catches_a_wrong_timer(wrong, why):
+    """The solution passes Check 1, and a wrong timer fails it. The check's agreement band with
+    utils.benchmark was widened to 5x either way and 5 attempts after a loaded 2-core CI machine
+    failed the 3x band with the solution."""
+    import functools
+    import statistics
+
+    solution, check = _check_1_and_solution()
+    env = {"utils": utils, "torch": torch, "time": time, "statistics": statistics,
+           "functools": functools, "DEVICE": torch.device("cpu"), "ENV": utils.get_env("cpu")}
+    exec(compile(solution + "\n" + check, "check_1", "exec"), dict(env))  # noqa: S102
+    assert "return statistics.median(times)" in solution
+    bad = solution.replace("return statistics.median(times)", wrong)
+    with pytest.raises(AssertionError):
+        exec(compile(bad + "\n" + check, "check_1", "exec"), dict(env))  # noqa: S102
