@@ -148,8 +148,8 @@ _COURSE_COMPILE_OPTIONS: dict[str, dict[str, Any]] = {
 }
 #: The compile modes a :class:`TrainConfig` may use: torch's and the course's.
 TRAIN_COMPILE_MODES = COMPILE_MODES + tuple(_COURSE_COMPILE_OPTIONS)
-_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune", "max-autotune-gemm",
-                     "reduce-overhead-tuned")
+_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune") + tuple(
+    mode for mode, options in _COURSE_COMPILE_OPTIONS.items() if options.get("triton.cudagraphs"))
 #: The losses a :class:`TrainConfig` may use: ``plain`` (the head's logits, then
 #: ``F.cross_entropy``) or ``chunked`` (:func:`utils.losses.chunked_linear_cross_entropy`: the
 #: head and the loss as one function, the logits never whole).
