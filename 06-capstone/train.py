@@ -13,7 +13,7 @@ transformer blocks' linear layers in FP8 (torchao's float8 training; CUDA sm89+)
 --bf16-residual keeps the residual stream between the blocks in bf16 (with --amp bf16), and
 --compile max-autotune-gemm autotunes the matmuls (max-autotune, bounded to them), and
 --compile reduce-overhead-tuned tunes the kernels Inductor generates instead (max-autotune's
-other half).
+coordinate-descent tuning, without its matmul autotuning).
 
 It prints the loss, tokens/s and MFU as it goes (a progress bar, plus a line every
 --log-every steps), against a matmul ceiling it measures on this machine at start,
@@ -164,9 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "only); no checkpoint. A run that cannot run here (FP8 without CUDA "
                         "sm89+ or torchao) says why in its row; an optional run that would end "
                         "past --budget-s is left out, saying so. max-autotune is not among the "
-                        "runs: its autotuning is expected to take minutes on a GPU, too much for "
-                        "the budget; run it apart (--compile max-autotune-gemm, its first step "
-                        "is what it cost)")
+                        "runs: its autotuning takes minutes on a GPU (max-autotune-gemm's first "
+                        "step took 224 s on an H100), too much for the budget; run it apart "
+                        "(--compile max-autotune-gemm, its first step is what it cost)")
     p.add_argument("--fp8-sweep", nargs="?", const=FP8_SWEEP_WIDTHS, default=None,
                    metavar="WIDTHS",
                    help="instead of training: time a GPT block's MLP (d -> 4d -> d) forward and "
