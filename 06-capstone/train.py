@@ -13,7 +13,7 @@ transformer blocks' linear layers in FP8 (torchao's float8 training; CUDA sm89+)
 --bf16-residual keeps the residual stream between the blocks in bf16 (with --amp bf16), and
 --compile max-autotune-gemm autotunes the matmuls (max-autotune, bounded to them), and
 --compile reduce-overhead-tuned tunes the kernels Inductor generates instead (max-autotune's
-coordinate-descent tuning, without its matmul autotuning).
+coordinate-descent tuning, on its own).
 
 It prints the loss, tokens/s and MFU as it goes (a progress bar, plus a line every
 --log-every steps), against a matmul ceiling it measures on this machine at start,

@@ -139,7 +139,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 #: step is timed against Triton templates on its first call), without ``max-autotune``'s
 #: coordinate-descent tuning of every generated kernel, which is most of its compile time;
 #: with CUDA graphs, as ``max-autotune``. ``reduce-overhead-tuned``: ``reduce-overhead`` plus
-#: max-autotune's other setting, Inductor's coordinate-descent tuning of every Triton kernel it
+#: one of max-autotune's settings, Inductor's coordinate-descent tuning of every Triton kernel it
 #: generates (block sizes and warps, searched from its heuristic's choice); the matmuls stay
 #: with the vendor library (cuBLAS), as in ``reduce-overhead``.
 _COURSE_COMPILE_OPTIONS: dict[str, dict[str, Any]] = {
