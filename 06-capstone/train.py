@@ -67,6 +67,7 @@ import utils
 import utils.distributed as ud
 from utils import ladder
 from utils.checkpoint import atomic_save
+from utils.cli import native_bf16
 from utils.compiletools import KERNEL_CATEGORIES, StepProfile, classify_kernel, profile_step
 
 import corpus  # corpus.py sits next to this script, and Python puts that folder on sys.path
@@ -279,7 +280,7 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser, world: in
     if sizes["n_embd"] % sizes["n_head"]:
         parser.error(f"--n-embd ({sizes['n_embd']}) must be divisible by --n-head "
                      f"({sizes['n_head']})")
-    bf16_ok = _native_bf16(device_type)
+    bf16_ok = native_bf16(torch.device(device_type))
     amp = "bf16" if bf16_ok else "fp16"
     notes: list[str] = []
     try:
@@ -693,11 +694,6 @@ def _preset(args: argparse.Namespace, device_type: str) -> str:
     return args.preset if args.preset != "auto" else ("gpt2" if device_type == "cuda" else "tiny")
 
 
-def _native_bf16(device_type: str) -> bool:
-    """Whether bf16 autocast runs natively here: always on a CPU, on sm80+ CUDA GPUs."""
-    return device_type == "cpu" or torch.cuda.is_bf16_supported(including_emulation=False)
-
-
 def _device_type(args: argparse.Namespace) -> str:
     if args.device in ("cpu", "cuda"):
         return args.device
@@ -720,7 +716,7 @@ def _skip_reason(run: BenchmarkRun, device_type: str, amp: str | None = None) ->
     if run.overrides.get("bf16_residual"):
         if amp is not None and amp != "bf16":
             return f"a bf16 residual stream needs bf16 autocast, and --amp {amp} was given"
-        if not _native_bf16(device_type):
+        if not native_bf16(torch.device(device_type)):
             return ("a bf16 residual stream needs bf16 autocast, and this GPU has no native "
                     "bfloat16 (it needs sm80+)")
     return ""

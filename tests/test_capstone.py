@@ -236,7 +236,7 @@ def test_cuda_graphs_give_way_to_default_compile_under_ddp(monkeypatch):
     """On a GPU under torchrun the top rung's CUDA graphs become compile mode default (with a
     note), unless --compile asks for them; alone, the top rung keeps them."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda **kwargs: True)
+    monkeypatch.setattr(train, "native_bf16", lambda device: True)
     parser = train.build_parser()
     common = ["--preset", "tiny", "--device", "cuda", "--batch-size", "16"]
     *_, cfg, name, notes = train.resolve(parser.parse_args(common), parser, world=2)
@@ -490,7 +490,7 @@ def test_benchmark_on_a_gpu_explains_the_best_runs_time_by_kernel_kind(monkeypat
     monkeypatch.setattr(train, "_device_type", lambda args: "cuda")
     monkeypatch.setattr(train, "_release_compiled", lambda device_type: None)  # no GPU to free
     monkeypatch.setattr(train.ladder, "fp8_unavailable_reason", lambda device=None: "")
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    monkeypatch.setattr(train, "native_bf16", lambda device: True)
     parser = train.build_parser()
     train.benchmark(parser.parse_args(["--benchmark", "--preset", "gpt2", "--results", "none"]),
                     parser)
@@ -508,7 +508,7 @@ def test_benchmark_on_a_gpu_explains_the_best_runs_time_by_kernel_kind(monkeypat
                                        "--profile-steps", "0"]), parser)
     assert [s.profile_steps for s in seen] == [0] * len(train.BENCHMARK_RUNS)
     # a GPU without native bf16 (before sm80): the four bf16 residual rows say why, the rest run
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    monkeypatch.setattr(train, "native_bf16", lambda device: False)
     seen.clear()
     capsys.readouterr()
     rows = train.benchmark(parser.parse_args(["--benchmark", "--preset", "gpt2", "--results",
