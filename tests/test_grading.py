@@ -36,6 +36,7 @@ import nbformat
 import pytest
 
 from conftest import FIXTURES, REPO, course_notebooks
+from utils import sizes
 from utils.course import grading, grading_plugin, student
 from utils.course.student import (BEGIN, END, HIDDEN_BEGIN, HIDDEN_END, find_exercises, release,
                            release_notebook, strip_solutions)
@@ -748,12 +749,16 @@ def test_one_notebook_per_gpu_at_a_time(tmp_path, monkeypatch):
     runs, lock = [], threading.Lock()
 
     def fake_run(graded, name, template, hidden, timeout_s, wall_s, log_path,
-                 memory_limit_gib=0.0, gpu=None):
+                 memory_limit_gib=0.0, gpu=None, compile_threads=None):
         start = time.monotonic()
         time.sleep(0.3)
         with lock:
             runs.append((gpu, start, time.monotonic(), memory_limit_gib))
+            threads.append(compile_threads)
         return grading._RunResult({}, 0.3, False, 0, "", False)
+
+    threads: list[int | None] = []
+    monkeypatch.delenv(sizes.COMPILE_THREADS_ENV_VAR, raising=False)
 
     monkeypatch.setattr(grading, "_run_nbval", fake_run)
     subs = tmp_path / "subs"
@@ -766,6 +771,8 @@ def test_one_notebook_per_gpu_at_a_time(tmp_path, monkeypatch):
         assert all(spans[k][1] <= spans[k + 1][0] for k in range(len(spans) - 1)), spans
     assert all(limit == 0 for *_, limit in runs)  # a GPU is the kernel's own; no RLIMIT_DATA
     assert grading._kernel_env(tmp_path, tmp_path, [], "1")["CUDA_VISIBLE_DEVICES"] == "1"
+    # two at a time (one per GPU): each kernel's compile workers are half the cores
+    assert threads == [sizes.compile_threads_per_job(sizes.usable_cpu_count(), 2)] * 6
 
     runs.clear()
     grading.grade(sorted(subs.iterdir()), tmp_path / "g2", course_root=COURSE, jobs=6,
@@ -774,6 +781,19 @@ def test_one_notebook_per_gpu_at_a_time(tmp_path, monkeypatch):
     starts, ends = [r[1] for r in runs], [r[2] for r in runs]
     assert max(starts) < min(ends), "hidden GPUs: the notebooks ran side by side"
     assert grading._kernel_env(tmp_path, tmp_path, [], "")["CUDA_VISIBLE_DEVICES"] == ""
+    assert threads[6:] == [max(1, sizes.usable_cpu_count() // 6)] * 6
+
+
+def test_kernels_graded_side_by_side_share_the_compile_workers(tmp_path, monkeypatch):
+    """Inductor gives each kernel min(32, cores) compile workers, each a process that imports
+    torch: a grader running 16 kernels on 16 cores would start 256. The grader sets each
+    kernel's share, and keeps a value the instructor set."""
+    var = sizes.COMPILE_THREADS_ENV_VAR
+    monkeypatch.delenv(var, raising=False)
+    assert grading._kernel_env(tmp_path, tmp_path, [], None, 3)[var] == "3"
+    assert var not in grading._kernel_env(tmp_path, tmp_path, [], None, None)
+    monkeypatch.setenv(var, "5")
+    assert grading._kernel_env(tmp_path, tmp_path, [], None, 3)[var] == "5"
 
 
 def test_reports_can_be_sent_as_they_are(tmp_path):

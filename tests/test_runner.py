@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ import nbformat
 import nbclient.client
 import pytest
 
+from utils import sizes
 from utils.course.runner import DEFAULT_CELL_TIMEOUT_S, run_notebooks
 
 pytestmark = pytest.mark.notebook
@@ -165,13 +167,15 @@ start = time.time()
 time.sleep(3)
 pathlib.Path(os.environ["STAMP_DIR"], pathlib.Path.cwd().name + "-{name}.json").write_text(
     json.dumps({{"start": start, "end": time.time(),
-                "shared": os.environ.get("COURSE_SHARED_JOBS")}}))"""
+                "shared": os.environ.get("COURSE_SHARED_JOBS"),
+                "compile_threads": os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")}}))"""
 
 
 def test_jobs_run_notebooks_side_by_side_and_tell_them(tmp_path, monkeypatch, capsys):
     stamps = tmp_path / "stamps"
     stamps.mkdir()
     monkeypatch.setenv("STAMP_DIR", str(stamps))
+    monkeypatch.delenv(sizes.COMPILE_THREADS_ENV_VAR, raising=False)
     a = write_notebook(tmp_path / "01_a.ipynb", STAMP.format(name="a"))
     b = write_notebook(tmp_path / "02_b.ipynb", STAMP.format(name="b"))
     c = write_notebook(tmp_path / "03_c.ipynb", "raise ValueError('c fails')")
@@ -179,6 +183,10 @@ def test_jobs_run_notebooks_side_by_side_and_tell_them(tmp_path, monkeypatch, ca
     assert [r.status for r in runs] == ["ok", "ok", "failed"]     # in the order given
     got = {p.stem.split("-")[-1]: json.loads(p.read_text()) for p in stamps.glob("*.json")}
     assert got["a"]["shared"] == got["b"]["shared"] == "2"
+    # each kernel's Inductor compile workers: its share of the cores, not min(32, cores) each
+    share = str(sizes.compile_threads_per_job(sizes.usable_cpu_count(), 2))
+    assert got["a"]["compile_threads"] == got["b"]["compile_threads"] == share
+    assert sizes.COMPILE_THREADS_ENV_VAR not in os.environ, "the runner's own setting leaked"
     assert got["a"]["start"] < got["b"]["end"] and got["b"]["start"] < got["a"]["end"], \
         "the two notebooks did not overlap"
     saved = json.loads((tmp_path / "out" / "run.json").read_text())
@@ -192,6 +200,14 @@ def test_one_job_leaves_the_machine_unshared(tmp_path, monkeypatch):
     nb = write_notebook(tmp_path / "01_env.ipynb",
                         "import os\nassert 'COURSE_SHARED_JOBS' not in os.environ")
     assert run_one(nb, tmp_path).status == "ok"
+
+
+def test_jobs_keep_the_compile_workers_the_user_set(tmp_path, monkeypatch):
+    monkeypatch.setenv(sizes.COMPILE_THREADS_ENV_VAR, "7")
+    code = "import os\nassert os.environ['TORCHINDUCTOR_COMPILE_THREADS'] == '7'"
+    nbs = [write_notebook(tmp_path / f"0{k}_x.ipynb", code) for k in (1, 2)]
+    runs = run_notebooks(nbs, out_dir=tmp_path / "out", progress=False, jobs=2)
+    assert [r.status for r in runs] == ["ok", "ok"], [r.summary for r in runs]
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])

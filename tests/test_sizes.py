@@ -219,3 +219,20 @@ def test_a_gpu_at_smoke_size_reads_its_overrides_and_prints_them(capsys):
         utils.size_table(table, smoke=True, gpu_smoke={"batch": 16}, show=False)
     with pytest.raises(ValueError, match="gpu_smoke names rows"):
         utils.size_table(table, smoke=True, gpu_smoke={"bach": 1}, show=False)
+
+
+@pytest.mark.parametrize("jobs", [1, 2, 3, 12, 16, 200])
+@pytest.mark.parametrize("cores", CORES)
+def test_compile_threads_share_the_cores_between_jobs(cores, jobs):
+    k = sizes.compile_threads_per_job(cores, jobs)
+    assert 1 <= k <= sizes.COMPILE_THREADS_CAP
+    assert k * jobs <= max(cores, jobs), "more compile workers than cores, over all the jobs"
+    assert k == max(1, min(cores // jobs, sizes.COMPILE_THREADS_CAP))  # no core left idle
+
+
+def test_compile_threads_refuse_bad_counts():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError):
+            sizes.compile_threads_per_job(16, bad)
+        with pytest.raises(ValueError):
+            sizes.compile_threads_per_job(bad, 2)

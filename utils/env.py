@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import torch
 
 from .precision import describe_tf32_overrides, matmul_precision_label, tf32_overrides
+from .sizes import usable_cpu_count
 
 __all__ = [
     "EnvInfo",
@@ -173,14 +174,6 @@ class EnvInfo:
             else ""
         )
         return f"{self.device_name}{cc}, torch {self.torch_version}"
-
-
-def usable_cpu_count() -> int:
-    """Cores this process may run on (the CPU affinity set, which honours a
-    cluster job's allocation), else ``os.cpu_count()``."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def _cpu_name() -> str:

@@ -14,6 +14,7 @@ node do" without one.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,10 @@ __all__ = [
     "loader_batches_needed",
     "threads_per_process",
     "threads_beside_workers",
+    "usable_cpu_count",
+    "COMPILE_THREADS_CAP",
+    "COMPILE_THREADS_ENV_VAR",
+    "compile_threads_per_job",
     "RankPlan",
     "rank_plan",
     "TIERS",
@@ -130,6 +135,38 @@ def threads_beside_workers(cpu_count: int, workers: int, *, smoke: bool) -> int:
     _count("cpu_count", cpu_count, 1)
     _count("workers", workers, 0)
     return threads_per_process(max(1, cpu_count - workers), 1, smoke=smoke)
+
+
+def usable_cpu_count() -> int:
+    """Cores this process may run on (the CPU affinity set, which honours a
+    cluster job's allocation), else ``os.cpu_count()``."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+#: Inductor's own cap on its compile workers (``torch._inductor.config.decide_compile_threads``
+#: takes ``min(32, cores)`` when nothing sets it).
+COMPILE_THREADS_CAP = 32
+#: The variable Inductor reads for its number of compile workers (torch 2.11 and newer).
+COMPILE_THREADS_ENV_VAR = "TORCHINDUCTOR_COMPILE_THREADS"
+
+
+def compile_threads_per_job(cpu_count: int, jobs: int) -> int:
+    """Inductor compile workers for each of ``jobs`` notebooks run at once on ``cpu_count``
+    cores: an equal share of the cores, at least 1, at most :data:`COMPILE_THREADS_CAP`.
+
+    Left to itself, every kernel that compiles starts a pool of ``min(32, cores)`` worker
+    processes, each of which imports torch: 12 notebooks at once on a 16-core GPU node would
+    start nearly 200 of them. With 1, Inductor compiles in the kernel's own process, with no
+    pool.
+
+    Raises:
+        ValueError: a count that is not a positive int.
+    """
+    _count("cpu_count", cpu_count, 1)
+    _count("jobs", jobs, 1)
+    return max(1, min(cpu_count // jobs, COMPILE_THREADS_CAP))
 
 
 @dataclass(frozen=True)

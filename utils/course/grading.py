@@ -84,6 +84,7 @@ from typing import Any, Sequence
 
 import nbformat
 
+from ..sizes import COMPILE_THREADS_ENV_VAR, compile_threads_per_job, usable_cpu_count
 from .student import (
     METADATA_KEY,
     Exercise,
@@ -474,8 +475,10 @@ def _build_template(course: _Course, into: Path) -> Path:
 
 
 def _kernel_env(sandbox: Path, work: Path, hidden: Sequence[Path],
-                gpu: str | None = None) -> dict[str, str]:
-    """The kernel's environment; ``gpu``: the one GPU it may see (``""``: none, ``None``: as is)."""
+                gpu: str | None = None, compile_threads: int | None = None) -> dict[str, str]:
+    """The kernel's environment; ``gpu``: the one GPU it may see (``""``: none, ``None``: as is);
+    ``compile_threads``: Inductor's compile workers, unless the grader's environment names them
+    (``None``: Inductor decides)."""
     hide = [str(h.resolve()) for h in hidden]
     env = {}
     for k, v in os.environ.items():
@@ -494,6 +497,8 @@ def _kernel_env(sandbox: Path, work: Path, hidden: Sequence[Path],
     })
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
+    if compile_threads is not None and COMPILE_THREADS_ENV_VAR not in env:
+        env[COMPILE_THREADS_ENV_VAR] = str(compile_threads)
     return env
 
 
@@ -634,8 +639,9 @@ def _read_results(path: Path, key: bytes) -> tuple[dict[int, dict[str, Any]], bo
 
 def _run_nbval(graded: Any, name: str, template: Path, hidden: Sequence[Path], timeout_s: float,
                wall_s: float, log_path: Path, memory_limit_gib: float = 0.0,
-               gpu: str | None = None) -> _RunResult:
-    """Run one graded notebook; ``gpu`` is the GPU its kernel sees (``""`` none, ``None`` as is)."""
+               gpu: str | None = None, compile_threads: int | None = None) -> _RunResult:
+    """Run one graded notebook; ``gpu`` is the GPU its kernel sees (``""`` none, ``None`` as is),
+    ``compile_threads`` its Inductor compile workers (``None``: Inductor decides)."""
     from . import grading_plugin
 
     work = Path(tempfile.mkdtemp(prefix="course-grade-"))
@@ -651,7 +657,7 @@ def _run_nbval(graded: Any, name: str, template: Path, hidden: Sequence[Path], t
         results = work / "cells.json"
         ini = work / "pytest.ini"
         ini.write_text("[pytest]\n", encoding="utf-8")
-        env = _kernel_env(sandbox, work, hidden, gpu)
+        env = _kernel_env(sandbox, work, hidden, gpu, compile_threads)
         env[grading_plugin.RESULTS_ENV_VAR] = str(results)
         env[grading_plugin.KEY_ENV_VAR] = str(key_file)
         marker = f"{RUN_MARKER}={secrets.token_hex(16)}"
@@ -1003,7 +1009,7 @@ class _Slots:
 def _grade_one(prep: _Prepared, template: Path, hidden: Sequence[Path], out: Path,
                timeout_s: float, wall_s: float, file_name: str = "",
                memory_limit_gib: float = 0.0, gpu_memory_limit: bool = False,
-               slots: _Slots | None = None) -> NotebookGrade:
+               slots: _Slots | None = None, compile_threads: int | None = None) -> NotebookGrade:
     sub = prep.submission
     stem = f"{file_name or _safe(sub.student)}/{prep.name}"
     log = out / "logs" / (stem[:-len(".ipynb")] + ".log")
@@ -1014,7 +1020,7 @@ def _grade_one(prep: _Prepared, template: Path, hidden: Sequence[Path], out: Pat
         # is its own, and CUDA's address-space reservations are not checked here.
         limit = memory_limit_gib if (not gpu or gpu_memory_limit) else 0.0
         run = _run_nbval(prep.graded, prep.name, template, hidden, timeout_s, wall_s, log,
-                         limit, gpu)
+                         limit, gpu, compile_threads)
     finally:
         slots.give(gpu)
     places: list[tuple[str | os.PathLike, str]] = [(out, "<grades>"), (Path.home(), "~")]
@@ -1206,6 +1212,8 @@ def grade(
         jobs = min(jobs, len(gpus))
     explicit_limit = memory_limit_gib is not None
     limit = default_memory_limit_gib(jobs) if memory_limit_gib is None else float(memory_limit_gib)
+    # Each kernel that compiles would start min(32, cores) compile workers: share the cores.
+    compile_threads = compile_threads_per_job(usable_cpu_count(), jobs) if jobs > 1 else None
     if progress:
         print(f"grading {len(prepared)} notebook(s) of {len({s.student for s in submissions})} "
               f"student(s), {jobs} at a time; {len(grades)} file(s) need no run", flush=True)
@@ -1228,7 +1236,8 @@ def grade(
             futures = {pool.submit(_grade_one, p, template, hidden, out, timeout_s,
                                    notebook_timeout_s, names[p.submission.student], limit,
                                    gpu_memory_limit=explicit_limit,  # --memory-limit given
-                                   slots=slots): p for p in prepared}
+                                   slots=slots, compile_threads=compile_threads): p
+                       for p in prepared}
             for fut in concurrent.futures.as_completed(futures):
                 p = futures[fut]
                 try:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..ledger import REPO_ROOT, RESULTS_ENV_VAR, SHARED_ENV_VAR, SMOKE_ENV_VAR
+from ..sizes import COMPILE_THREADS_ENV_VAR, compile_threads_per_job, usable_cpu_count
 
 __all__ = [
     "DEFAULT_CELL_TIMEOUT_S",
@@ -398,7 +399,9 @@ def run_notebooks(
         jobs: notebooks run at once, each in its own kernel (and its own worker process).
             With more than one, the notebooks share the machine: the runner says so to each
             (``COURSE_SHARED_JOBS``), their ledgers record it, and their timings are not
-            measurements (see :mod:`utils.ledger`).
+            measurements (see :mod:`utils.ledger`). Each kernel then gets its share of the
+            cores for Inductor's compile workers (``TORCHINDUCTOR_COMPILE_THREADS``, from
+            :func:`utils.sizes.compile_threads_per_job`) unless that variable is set already.
 
     Raises:
         ValueError: a non-positive timeout or job count.
@@ -419,7 +422,10 @@ def run_notebooks(
         env[SMOKE_ENV_VAR] = "1" if smoke else "0"
     if jobs > 1:
         env[SHARED_ENV_VAR] = str(jobs)
-    saved_env = {k: os.environ.get(k) for k in (RESULTS_ENV_VAR, SMOKE_ENV_VAR, SHARED_ENV_VAR)}
+        if COMPILE_THREADS_ENV_VAR not in os.environ:  # a value the user set is kept
+            env[COMPILE_THREADS_ENV_VAR] = str(compile_threads_per_job(usable_cpu_count(), jobs))
+    saved_env = {k: os.environ.get(k)
+                 for k in (RESULTS_ENV_VAR, SMOKE_ENV_VAR, SHARED_ENV_VAR, COMPILE_THREADS_ENV_VAR)}
     os.environ.update(env)
     if jobs == 1:
         os.environ.pop(SHARED_ENV_VAR, None)  # one at a time: the machine is this run's
