@@ -1,10 +1,15 @@
-"""Claims that notebooks make at every size, held at the sizes CI does not run.
+"""What the notebooks do at the sizes CI does not run.
 
 CI runs the notebooks at smoke size; the full sizes run on a GPU node, and on a CPU only when a
-learner asks for them. Running every notebook at --full on a CPU (2026-11-27) found a claim
-that could not hold at either full size: 04/02 checked the compiled step's peak at the lowest
-activation_memory_budget it tried, and at full size that is 0, whose peak comes back (the
-notebook says so itself). The claim now takes the lowest budget above 0.
+learner asks for them (--full). Running every notebook at --full on a CPU (2026-11-27) found:
+
+- a claim that could not hold at either full size: 04/02 checked the compiled step's peak at
+  the lowest activation_memory_budget it tried, and at full size that is 0, whose peak comes
+  back (the notebook says so itself). The claim now takes the lowest budget above 0;
+- two notebooks whose CPU-full sizes were the GPU's, with fp16 training that a CPU emulates:
+  02/03 and 02/07 each stopped at a 300 s cell limit. Their CPU-full sizes are now smaller.
+
+(The third, 06/02's CNN exercise, is in test_capstone_top_rung.py.)
 """
 
 from __future__ import annotations
@@ -81,3 +86,55 @@ def test_budget_zero_brings_the_peak_back_so_it_cannot_carry_the_claim():
     torch._dynamo.reset()
     assert ratio[0.2] <= 0.7, ratio
     assert ratio[0.0] > 0.7, ratio
+
+
+# ---- the CPU-full tier of the fp16 notebooks stays runnable on a CPU ------------------------
+
+#: The most that one fp16 mode's training may be projected to take at the CPU-full sizes here.
+#: The sizes in use project to well under a minute on CI's 2-core machine; the GPU sizes they
+#: replaced projected to over half an hour (5 s per step: CPUs without fp16 units emulate it).
+FP16_CPU_FULL_BUDGET_S = 300.0
+
+
+def _fp16_step_s(in_features: int, hidden: int, out_features: int, batch: int) -> float:
+    """Seconds of one fp16-autocast training step of utils.MLP(depth=3) on this CPU: the
+    fastest of two after a warm-up."""
+    import time
+
+    torch.manual_seed(0)
+    model = utils.MLP(in_features=in_features, hidden=hidden, out_features=out_features, depth=3)
+    x = torch.randn(batch, in_features)
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        out.float().square().mean().backward()
+
+    step()
+    best = float("inf")
+    for _ in range(2):
+        t0 = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def test_the_fp16_notebooks_cpu_full_sizes_train_in_minutes_on_a_cpu():
+    """02/03 and 02/07 train MLPs under fp16 autocast on any device. Their CPU-full sizes were
+    the GPU's, and a run at --full on a CPU stopped at a 300 s cell limit in both: here each
+    fp16 mode's steps at the table's CPU-full sizes, projected from one timed step, must fit
+    FP16_CPU_FULL_BUDGET_S."""
+    nb03 = size_rows(read("02-mixed-precision/03_grad_scaler.ipynb"))
+    nb07 = size_rows(read("02-mixed-precision/07_fp16_training_in_practice.ipynb"))
+    cpu = 1  # the CPU-full column
+    runs = {
+        "03 regression": (_fp16_step_s(nb03["reg_dim"][cpu], nb03["reg_hidden"][cpu],
+                                       nb03["reg_dim"][cpu], nb03["reg_batch"][cpu]),
+                          nb03["reg_steps"][cpu]),
+        "03 classifier": (_fp16_step_s(3 * nb03["img"][cpu] ** 2, nb03["cls_hidden"][cpu], 10,
+                                       nb03["cls_batch"][cpu]), nb03["scale_steps"][cpu]),
+        "07 classifier": (_fp16_step_s(3 * nb07["img"][cpu] ** 2, nb07["cls_hidden"][cpu], 10,
+                                       nb07["cls_batch"][cpu]), nb07["resume_steps"][cpu]),
+    }
+    projected = {name: step_s * steps for name, (step_s, steps) in runs.items()}
+    assert max(projected.values()) <= FP16_CPU_FULL_BUDGET_S, projected
