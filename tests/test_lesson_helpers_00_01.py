@@ -211,8 +211,11 @@ def _check_1_and_solution():
     ("return statistics.median(times) / 1e3", "seconds instead of milliseconds"),
     ("return sum(times)", "the total of the n calls"),
     ("return statistics.median(times) * 1e3", "microseconds"),
-    # passes the sleep-based part (2 ms + 5 ms < 10 ms); only the band catches it
-    ("return statistics.median(times) + 5.0", "5 ms of overhead timed with every call"),
+    # Not here: a timer that adds 5 ms to every call. It passes the sleep-based part, and the
+    # 5x band caught it on an idle machine, but it let it through once while the unit suite
+    # ran on both cores (2026-11-27): 5 ms is within 5x of the 256 x 256 matmul's time once
+    # load slows that to 1.25 ms or more. The band separates errors of 5x and more, not a
+    # fixed few milliseconds.
 ])
 def test_00_01_check_1_passes_the_solution_and_catches_a_wrong_timer(wrong, why):
     """The solution passes Check 1, and a wrong timer fails it. The check's agreement band with
