@@ -66,8 +66,7 @@ def test_the_cnn_exercise_stays_in_its_loss_band_at_cpu_full_size():
     configs = {"fp32 eager": base, "bf16 autocast": amp,
                "bigger micro-batch": dataclasses.replace(amp, accum_steps=1)}
     with utils.torch_threads(1):  # CI runs two test workers on two cores
-        final = {name: sum(ls[-window:]) / window
-                 for name, ls in ((n, losses(c)) for n, c in configs.items())}
+        final = {name: sum(losses(cfg)[-window:]) / window for name, cfg in configs.items()}
     ref = final["fp32 eager"]
     worst = {name: abs(v - ref) / ref for name, v in final.items()}
     assert max(worst.values()) <= 0.05, f"at the CPU-full sizes: {worst}"
