@@ -51,3 +51,38 @@ def test_first_call_s_measures_the_call():
     assert 0.04 <= utils.first_call_s(time.sleep, 0.05, device="cpu") < 0.5
     with pytest.raises(TypeError):
         utils.first_call_s(3)
+
+
+def test_attached_ops_names_what_takes_a_tensor_still_on_its_graph():
+    """utils.AttachedOps (00/04's Exercise 1 check): a sum of losses that keep their graphs is
+    named; detach, .data, no_grad and the paused training step are not."""
+    w = torch.randn(3, requires_grad=True)
+
+    def step():
+        loss = (w * 2).sum()
+        loss.backward()
+        return loss
+
+    def run(accumulate):
+        watch = utils.AttachedOps()
+        watched_step = watch.unwatched(step)
+        with watch:
+            total = torch.zeros(())
+            for _ in range(2):
+                total = accumulate(total, watched_step())
+        return watch.names
+
+    assert run(lambda t, loss: t.add_(loss.detach())) == []
+    assert run(lambda t, loss: t.add_(loss.data)) == []
+    with torch.no_grad():
+        watch = utils.AttachedOps()
+        with watch:
+            torch.zeros(()) + w.sum()
+    assert watch.names == [], "without grad mode nothing is recorded"
+    assert run(lambda t, loss: t.add_(loss)) == ["add_", "add_"]
+    assert "stack" in run(lambda t, loss: torch.stack([t, loss]).sum())  # a list argument
+    watch = utils.AttachedOps()
+    with watch:
+        with watch.paused():
+            w * 2
+    assert watch.names == []

@@ -49,7 +49,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "loaders": ("LoaderTiming", "time_loader"),
     "losses": ("chunked_linear_cross_entropy",),
     "training": ("lm_batch", "image_batch", "train_step", "first_call_s", "grad_snapshot",
-                 "param_snapshot", "params_equal", "total_norm", "cudnn_benchmark"),
+                 "param_snapshot", "params_equal", "total_norm", "cudnn_benchmark", "AttachedOps"),
     "widgets": ("explorer",),
     "plots": ("use_style", "speedup_bars", "memory_bars", "sweep_plot",
               "plain_log_ticks", "curves_plot", "fit_slope"),

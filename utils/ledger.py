@@ -262,7 +262,7 @@ class Ledger:
         if not applies:
             status = NOT_APPLICABLE
         elif self.smoke and not in_smoke:
-            status, reason = NOT_APPLICABLE, "smoke size: too small for this to be meaningful"
+            status, reason = NOT_APPLICABLE, "smoke size: checked at full size only"
         elif (value >= threshold) if op == ">=" else (value <= threshold):
             status = MET
         else:

@@ -21,7 +21,7 @@ from .env import pick_device, synchronize
 from .models import GPTConfig
 
 __all__ = ["lm_batch", "image_batch", "train_step", "first_call_s", "grad_snapshot",
-           "param_snapshot", "params_equal", "total_norm", "cudnn_benchmark"]
+           "param_snapshot", "params_equal", "total_norm", "cudnn_benchmark", "AttachedOps"]
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -226,3 +226,65 @@ def cudnn_benchmark(flag: bool) -> Iterator[None]:
         yield
     finally:
         torch.backends.cudnn.benchmark = old
+
+
+def _tensors_in(values: Iterable[Any]) -> Iterator[torch.Tensor]:
+    for v in values:
+        if isinstance(v, (list, tuple)):
+            yield from _tensors_in(v)
+        elif isinstance(v, torch.Tensor):
+            yield v
+
+
+class AttachedOps(torch.overrides.TorchFunctionMode):
+    """Names the operations that take a tensor still attached to an autograd graph.
+
+    Inside its ``with`` block, every torch function called with grad mode on and a tensor that
+    requires grad among its arguments is listed in :attr:`names` (``detach`` and ``.data``,
+    which take a tensor off its graph, are not). :meth:`paused` leaves out a stretch of code
+    that is meant to build a graph, such as a training step, so what remains is what the
+    caller did with the step's results: a running sum of losses that still carry their graphs
+    shows up here, as ``add_``.
+
+    Example::
+
+        watch = utils.AttachedOps()
+        with watch:
+            total = torch.zeros(())
+            for _ in range(3):
+                with watch.paused():
+                    loss = train_step()
+                total += loss.detach()
+        assert not watch.names
+    """
+
+    _FREE = (torch.Tensor.detach, torch.Tensor.detach_, torch.Tensor.data.__get__)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+        self._paused = 0
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Operations inside this block are not watched."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def unwatched(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn``, run with watching :meth:`paused` (e.g. a training step)."""
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with self.paused():
+                return fn(*args, **kwargs)
+        return run
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if (not self._paused and torch.is_grad_enabled() and func not in self._FREE
+                and any(t.requires_grad for t in _tensors_in([*args, *kwargs.values()]))):
+            self.names.append(getattr(func, "__name__", str(func)))
+        return func(*args, **kwargs)
