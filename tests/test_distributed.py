@@ -301,6 +301,26 @@ def test_notebooks_sbatch_gives_srun_the_jobs_cpus():
     assert all(e.get("SRUN_CPUS_PER_TASK") == "24" for e in envs)
 
 
+def test_notebooks_sbatch_writes_the_report_when_a_notebook_failed_and_keeps_the_exit_code(
+        tmp_path):
+    """`set -e` used to end the job at the failed run, before the report (a cluster user's
+    review): the report is written, and the job still exits with the run's code."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "srun").write_text('#!/bin/bash\necho "srun $*" >> "$STEPS"\n'
+                                'if [[ " $* " == *" run "* ]]; then exit 1; fi\n')
+    (stubs / "srun").chmod(0o755)
+    steps = tmp_path / "steps"
+    env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "STEPS": str(steps),
+           "SLURM_JOB_ID": "42", "SLURM_CPUS_PER_TASK": "8", "SLURM_SUBMIT_DIR": str(REPO)}
+    r = subprocess.run(["bash", str(CLUSTER / "notebooks.sbatch")], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    ran = steps.read_text().splitlines()
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert len(ran) == 2 and " run 05-distributed " in ran[0] and " report " in ran[1], ran
+    assert "--timeout" in ran[0]
+
+
 _DDP_THEN_ALL_GATHER = """
 import sys, torch, torch.distributed as dist, torch.nn as nn
 import utils.distributed as ud

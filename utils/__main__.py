@@ -25,19 +25,30 @@ def _cmd_env(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .course.runner import default_out_dir, run_notebooks
+    from .course.runner import default_out_dir, run_notebooks, stop_on_sigterm
 
     smoke = True if args.smoke else (False if args.full else None)
     out = Path(args.out) if args.out else default_out_dir()
-    runs = run_notebooks(args.paths, out_dir=out, smoke=smoke, timeout_s=args.timeout,
-                         kernel=args.kernel, log_output=args.log_output,
-                         progress=not args.no_progress, jobs=args.jobs)
+    stop_on_sigterm()  # Slurm's time limit and scancel stop the run the way Ctrl-C does
+    try:
+        runs = run_notebooks(args.paths, out_dir=out, smoke=smoke, timeout_s=args.timeout,
+                             kernel=args.kernel, log_output=args.log_output,
+                             # a bar only on a terminal: in a batch log it is noise
+                             progress=not args.no_progress and sys.stderr.isatty(),
+                             jobs=args.jobs)
+    except KeyboardInterrupt as exc:
+        signum = 15 if "signal 15" in str(exc) else 2
+        print(f"\nstopped by {'SIGTERM' if signum == 15 else 'Ctrl-C'}: {out / 'run.json'} lists "
+              "the notebooks that finished, the one that was running (its copy holds what it "
+              "did so far) and those not started", file=sys.stderr, flush=True)
+        return 128 + signum
     failed = [r for r in runs if r.status != "ok"]
     print(f"\n{len(runs) - len(failed)} of {len(runs)} notebooks ran cleanly.")
     for r in failed:
         print(f"{r.status.upper()} {r.notebook}: {r.summary}")
         if r.executed:
-            print(f"    executed copy, with the error in place: {r.executed}")
+            print(f"    executed copy, with the error in place: {r.executed}" if r.cell is not None
+                  else f"    executed copy: {r.executed}")
     print(f"Executed notebooks, results JSON and run.json are in {out}")
     print(f"Summarise with: python -m utils report {out}")
     return 1 if failed else 0
@@ -91,16 +102,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="+", help="notebooks (.ipynb) and/or module folders")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--smoke", action="store_true", help="force smoke size (about a minute on a CPU)")
-    size.add_argument("--full", action="store_true", help="force full size (meant for a GPU)")
+    size.add_argument("--full", action="store_true",
+                      help="force full size (meant for a GPU; without one, the notebooks run "
+                           "their CPU full sizes, and the runner says so)")
     p.add_argument("--out", default=None,
-                   help="output folder (default: results/local/run-<timestamp>)")
+                   help="output folder (default: results/local/run-<date>-<time>-<pid> in this "
+                        "checkout)")
     p.add_argument("--timeout", type=int, default=DEFAULT_CELL_TIMEOUT_S, metavar="SECONDS",
                    help="per-cell limit; a cell that reaches it fails its notebook "
                         f"(default {DEFAULT_CELL_TIMEOUT_S})")
     p.add_argument("--kernel", default="python3", help="Jupyter kernel name (default python3)")
     p.add_argument("--log-output", action="store_true",
                    help="stream cell output to this log (useful in sbatch jobs)")
-    p.add_argument("--no-progress", action="store_true", help="no per-cell progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no per-cell progress bar (there is none when the output is not a "
+                        "terminal, as in a batch job's log)")
     p.add_argument("--jobs", type=int, default=1, metavar="N",
                    help="notebooks run at once, each in its own kernel (default 1). With N > 1 "
                         "they share the machine: a quick pass over the code paths, not a "

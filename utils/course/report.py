@@ -314,11 +314,44 @@ def markdown_report(ledgers: Sequence[Ledger]) -> str:
     return "\n".join(parts)
 
 
+def unfinished_runs(paths: Sequence[str | os.PathLike]) -> list[tuple[Path, dict[str, Any]]]:
+    """The notebooks that a runner's ``run.json`` (in the given folders, ``local/`` skipped as
+    for ledgers) records as not having run cleanly: failed, malformed, interrupted or not run.
+    A failed notebook may have written a ledger with few or no numbers, so the report lists
+    them apart."""
+    found: list[tuple[Path, dict[str, Any]]] = []
+    for raw in paths:
+        p = Path(raw)
+        if not p.is_dir():
+            continue
+        for f in sorted(p.rglob("run.json")):
+            if LOCAL_DIR in f.relative_to(p).parts[:-1]:
+                continue
+            try:
+                runs = json.loads(f.read_text(encoding="utf-8")).get("runs", [])
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+                continue
+            found += [(f, r) for r in runs if isinstance(r, dict) and r.get("status") != "ok"]
+    return found
+
+
+def _unfinished_section(unfinished: Sequence[tuple[Path, dict[str, Any]]]) -> str:
+    lines = [f"**{len(unfinished)} notebook(s) did not run cleanly** (from the runner's "
+             "run.json; their ledgers, where they wrote one, hold only what they measured "
+             "before):", ""]
+    for f, r in unfinished:
+        lines.append(f"- {r.get('notebook', '?')}: {str(r.get('status', '?')).upper()}: "
+                     f"{r.get('summary', '')} (`{f}`)")
+    return "\n".join(lines) + "\n\n"
+
+
 def write_report(paths: Sequence[str | os.PathLike], out: str | os.PathLike | None = None,
                  plots: bool = True, figures: str | os.PathLike | None = None) -> Path:
     """Write ``report.md`` (and one bar plot per notebook of its ratios, unit ``x``).
 
-    Files that are not ledgers are listed at the end of the report, with why.
+    Files that are not ledgers are listed at the end of the report, with why; notebooks that a
+    runner's ``run.json`` records as failed, interrupted or not run, at the top
+    (:func:`unfinished_runs`).
 
     Args:
         paths: ledger files and folders (searched recursively; ``local/`` folders skipped).
@@ -335,6 +368,10 @@ def write_report(paths: Sequence[str | os.PathLike], out: str | os.PathLike | No
     fig_dir = Path(figures) if figures else out_path.parent
     fig_dir.mkdir(parents=True, exist_ok=True)
     text = markdown_report(ledgers)
+    unfinished = unfinished_runs(paths)
+    if unfinished:
+        head, _, rest = text.partition("\n\n")  # after the title
+        text = f"{head}\n\n{_unfinished_section(unfinished)}{rest}"
     if plots:
         import matplotlib
 

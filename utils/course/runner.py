@@ -35,6 +35,8 @@ import functools
 import json
 import logging
 import os
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -50,6 +52,7 @@ __all__ = [
     "run_notebooks",
     "default_out_dir",
     "summarize_failure",
+    "stop_on_sigterm",
 ]
 
 NOTEBOOK_GLOB = "[0-9][0-9]_*.ipynb"
@@ -60,6 +63,9 @@ DEFAULT_CELL_TIMEOUT_S = 1800
 ENGINE_NAME = "course"
 TIMEOUT_ENAME = "CellTimeoutError"
 DEAD_KERNEL_ENAME = "DeadKernelError"
+#: Set when the run is being stopped (Ctrl-C, or SIGTERM through :func:`stop_on_sigterm`): a
+#: kernel that dies then died of the stop, not of a crash or a lack of memory.
+_STOPPING = threading.Event()
 
 
 @dataclass(frozen=True)
@@ -67,10 +73,14 @@ class NotebookRun:
     """What happened to one notebook.
 
     ``status`` is ``"ok"``, ``"failed"`` (a cell raised, timed out or killed
-    the kernel; ``executed`` holds the copy with the error) or ``"malformed"``
-    (the file is not a notebook; nothing ran and ``executed`` is empty).
+    the kernel; ``executed`` holds the copy with the error), ``"malformed"``
+    (the file is not a notebook; nothing ran and ``executed`` is empty),
+    ``"interrupted"`` (the run was stopped, by Ctrl-C or SIGTERM, while it ran; ``executed``
+    holds the copy as far as it got) or ``"not run"`` (the run was stopped before it).
     ``summary`` is one line naming the failing cell and the exception's first
-    line; ``error`` keeps the longer text.
+    line; ``error`` keeps the longer text. ``device`` and ``tier`` are what the notebook's
+    ledger says it ran on (``"cpu"``, ``"cuda:0"``) and which column of its size table it read
+    (``"smoke"``, ``"cpu"``, ``"gpu"``, ``"gpu-smoke"``); empty where it wrote no ledger.
     """
 
     notebook: str
@@ -80,6 +90,8 @@ class NotebookRun:
     error: str = ""
     summary: str = ""
     cell: int | None = None
+    device: str = ""
+    tier: str = ""
 
 
 def find_notebooks(paths: Sequence[str | os.PathLike]) -> list[Path]:
@@ -124,8 +136,36 @@ def _stream_papermill_log() -> None:
 
 
 def default_out_dir() -> Path:
+    """``results/local/run-<date>-<time>-<process id>``: two runs started in the same second
+    (the tasks of a job array, say) do not share a folder."""
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return REPO_ROOT / "results" / "local" / f"run-{stamp}"
+    return REPO_ROOT / "results" / "local" / f"run-{stamp}-{os.getpid()}"
+
+
+def stop_on_sigterm() -> None:
+    """Make SIGTERM (what Slurm sends at a job's time limit, or on ``scancel``) stop a run the
+    way Ctrl-C does: the notebook that was running is recorded as interrupted in ``run.json``
+    and its copy is kept as far as it got. For the command line, in the main thread."""
+    def handler(signum: int, frame: Any) -> None:
+        _STOPPING.set()
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _ledger_facts(results: Path, name: str, since: float) -> tuple[str, str]:
+    """The device and the size-table column that a notebook's ledger, written since ``since``
+    (a ``time.time()``), records; empty strings where there is none."""
+    stem = name[:-len(".ipynb")] if name.endswith(".ipynb") else name
+    f = results / (stem.replace("/", "__") + ".json")
+    try:
+        if f.stat().st_mtime < since:
+            return "", ""
+        data = json.loads(f.read_text(encoding="utf-8"))
+        return (str(data.get("env", {}).get("device", "")),
+                str((data.get("sizes") or {}).get("tier", "")))
+    except (OSError, ValueError, AttributeError):
+        return "", ""
 
 
 def _relative_name(nb: Path) -> Path:
@@ -255,6 +295,8 @@ def _make_engine():
                                 "more time with --timeout SECONDS if it needs it")
             except DeadKernelError:
                 self._fail_cell(cell, DEAD_KERNEL_ENAME,
+                                "the run was stopped (Ctrl-C or SIGTERM) while this cell ran"
+                                if _STOPPING.is_set() else
                                 "the kernel died while running this cell (out of memory, a crash "
                                 "in native code, or os._exit)")
             elapsed = time.monotonic() - t0
@@ -336,7 +378,7 @@ def _run_one(nb: Path, out: Path, params: dict[str, Any], kernel: str, timeout_s
         _stream_papermill_log()
     target = out / _relative_name(nb)
     target.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), time.time()
     error = ""
     try:
         pm.execute_notebook(
@@ -353,9 +395,39 @@ def _run_one(nb: Path, out: Path, params: dict[str, Any], kernel: str, timeout_s
         if target.exists():
             summary, cell = summarize_failure(nbformat.read(target, as_version=4))
         summary = summary or _first_line(error)
+    device, tier = _ledger_facts(out / "results", name, started)
     return NotebookRun(name, str(target) if target.exists() else "",
                        "failed" if error else "ok", round(seconds, 2),
-                       error[-4000:], summary, cell)
+                       error[-4000:], summary, cell, device, tier)
+
+
+def _stopped(nb: Path, out: Path, started: float | None) -> NotebookRun:
+    """The record of a notebook the run was stopped in (``started``: its ``time.time()`` at
+    start) or before (``None``)."""
+    name = str(_relative_name(nb))
+    if started is None:
+        return NotebookRun(name, "", "not run", 0.0, "", "the run was stopped before it started")
+    target = out / _relative_name(nb)
+    device, tier = _ledger_facts(out / "results", name, started)
+    return NotebookRun(name, str(target) if target.exists() else "", "interrupted",
+                       round(time.time() - started, 2), "",
+                       "the run was stopped (Ctrl-C or SIGTERM) while it ran; the copy holds "
+                       "what it did so far", None, device, tier)
+
+
+def _usable_out_dir(out: Path) -> None:
+    """Make ``out`` and check that files can be written in it, or raise a ValueError that
+    names it (the command line turns that into one line and exit code 2)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_text("", encoding="utf-8")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"cannot use {out} as the output folder: "
+                         f"{exc.strerror or type(exc).__name__}"
+                         + (f" ({exc.filename})" if exc.filename and str(exc.filename) != str(out)
+                            else "")) from None
 
 
 def _worker_env(env: dict[str, str]) -> None:
@@ -363,10 +435,17 @@ def _worker_env(env: dict[str, str]) -> None:
     os.environ.update(env)
 
 
+def _where(run: NotebookRun) -> str:
+    """`` on cpu, smoke column``: what the notebook's ledger says it ran on."""
+    if not run.device:
+        return ""
+    return f" on {run.device}" + (f", {run.tier} column" if run.tier else "")
+
+
 def _report_end(run: NotebookRun, jobs: int) -> None:
     who = f"{run.notebook}: " if jobs > 1 else "    "
     if run.status == "ok":
-        print(f"{who}ok in {run.seconds:.1f} s -> {run.executed}", flush=True)
+        print(f"{who}ok in {run.seconds:.1f} s{_where(run)} -> {run.executed}", flush=True)
     else:
         print(f"{who}{run.status.upper()}: {run.summary}", flush=True)
 
@@ -403,8 +482,13 @@ def run_notebooks(
             cores for Inductor's compile workers (``TORCHINDUCTOR_COMPILE_THREADS``, from
             :func:`utils.sizes.compile_threads_per_job`) unless that variable is set already.
 
+    A run that is stopped (Ctrl-C, or SIGTERM after :func:`stop_on_sigterm`) still writes
+    ``run.json``: the notebook it was in is ``"interrupted"``, those it had not started
+    ``"not run"``; then the ``KeyboardInterrupt`` goes on to the caller.
+
     Raises:
-        ValueError: a non-positive timeout or job count.
+        ValueError: a non-positive timeout or job count, or an output folder that cannot be
+            made or written to.
         FileNotFoundError: a path that does not exist.
     """
     if timeout_s is not None and timeout_s <= 0:
@@ -414,8 +498,12 @@ def run_notebooks(
     notebooks = find_notebooks(paths)
     jobs = min(jobs, len(notebooks))
     out = Path(out_dir) if out_dir is not None else default_out_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    results = out / "results"
+    _usable_out_dir(out)
+    if (out / "run.json").exists():
+        print(f"note: {out} holds an earlier run: the notebooks run now replace their copies and "
+              "ledgers there, the others stay, and run.json will list this run only (a new "
+              "--out keeps runs apart)", flush=True)
+    results = (out / "results").resolve()
     params = {} if smoke is None else {"SMOKE": bool(smoke)}
     env = {RESULTS_ENV_VAR: str(results.resolve())}
     if smoke is not None:
@@ -430,6 +518,8 @@ def run_notebooks(
     if jobs == 1:
         os.environ.pop(SHARED_ENV_VAR, None)  # one at a time: the machine is this run's
     done: dict[int, NotebookRun] = {}
+    started: dict[int, float] = {}  # time.time() at each notebook's start
+    warned_cpu_full = False
 
     def write_summary() -> None:
         (out / "run.json").write_text(json.dumps({
@@ -437,14 +527,25 @@ def run_notebooks(
             "runs": [asdict(done[i]) for i in sorted(done)],
         }, indent=2), encoding="utf-8")
 
+    def finished(i: int) -> None:
+        nonlocal warned_cpu_full
+        _report_end(done[i], jobs)
+        if smoke is False and done[i].tier == "cpu" and not warned_cpu_full:
+            warned_cpu_full = True
+            print("note: --full, but the kernel found no CUDA GPU: the notebooks run their CPU "
+                  "full column (a GPU job that sees no GPU: check --gres and "
+                  "CUDA_VISIBLE_DEVICES)", flush=True)
+        write_summary()
+
+    _STOPPING.clear()
     try:
         if jobs == 1:
             for i, nb in enumerate(notebooks):
                 print(f"==> {_relative_name(nb)}", flush=True)
+                started[i] = time.time()
                 done[i] = _run_one(nb, out, params, kernel, timeout_s, start_timeout_s,
                                    progress, log_output)
-                _report_end(done[i], jobs)
-                write_summary()
+                finished(i)
         else:
             import concurrent.futures as cf
             import multiprocessing
@@ -452,11 +553,14 @@ def run_notebooks(
             print(f"running {len(notebooks)} notebooks, {jobs} at a time (timings from this run "
                   "are not measurements: the notebooks share the machine)", flush=True)
             ctx = multiprocessing.get_context("spawn")
-            with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx,
-                                        initializer=_worker_env, initargs=(env,)) as pool:
+            pool = cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx,
+                                          initializer=_worker_env, initargs=(env,))
+            try:
                 futures = {pool.submit(_run_one, nb, out, params, kernel, timeout_s,
                                        start_timeout_s, False, log_output): i
                            for i, nb in enumerate(notebooks)}
+                t_submit = time.time()  # the first `jobs` start now, the rest as others end
+                started.update({i: t_submit for i in range(jobs)})
                 for fut in cf.as_completed(futures):
                     i = futures[fut]
                     try:
@@ -465,8 +569,24 @@ def run_notebooks(
                         done[i] = NotebookRun(str(_relative_name(notebooks[i])), "", "failed",
                                               0.0, f"{type(exc).__name__}: {exc}",
                                               f"the runner's worker failed: {type(exc).__name__}")
-                    _report_end(done[i], jobs)
-                    write_summary()
+                    nxt = len(started)  # a slot came free: the next notebook in order starts
+                    if nxt < len(notebooks):
+                        started[nxt] = time.time()
+                    finished(i)
+            except KeyboardInterrupt:
+                # Stop now: a pool left by `with` would wait for the running notebooks to end.
+                for proc in list((getattr(pool, "_processes", None) or {}).values()):
+                    proc.terminate()
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
+            pool.shutdown()
+    except KeyboardInterrupt:
+        _STOPPING.set()
+        for i, nb in enumerate(notebooks):
+            if i not in done:
+                done[i] = _stopped(nb, out, started.get(i))
+        write_summary()
+        raise
     finally:
         for k, v in saved_env.items():
             if v is None:
