@@ -365,14 +365,20 @@ def test_grade_rejects_bad_arguments_clearly(tmp_path):
 
 def test_the_grade_command_keeps_going_past_files_it_cannot_grade(tmp_path):
     (tmp_path / "ann__01_double.ipynb").write_text("{not json")
+    (tmp_path / "ann__scratch.ipynb").write_text("{not json")
     (tmp_path / "ann.pdf").write_bytes(b"%PDF-1.4")
     out = tmp_path / "grades"
-    r = cli("grade", str(tmp_path / "ann__01_double.ipynb"), str(tmp_path / "ann.pdf"),
-            "--course", str(COURSE), "--out", str(out))
+    r = cli("grade", str(tmp_path / "ann__01_double.ipynb"), str(tmp_path / "ann__scratch.ipynb"),
+            str(tmp_path / "ann.pdf"), "--course", str(COURSE), "--out", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "2 file(s) of 1 student(s): 0 of 0 exercises passed." in r.stdout
-    assert [(row["student"], row["reason"].split(" (")[0]) for row in gradebook(out)] == [
-        ("ann", "not a notebook"), ("ann", "not a valid notebook")]
+    # the invalid file named like a course notebook counts 0 of its 3 exercises; the other
+    # invalid file belongs to no course notebook and has a row of its own
+    assert "3 file(s) of 1 student(s): 0 of 3 exercises passed." in r.stdout
+    assert [(row["student"], row["exercise"], row["reason"].split(" (")[0])
+            for row in gradebook(out)] == [
+        ("ann", "", "not a notebook"), ("ann", "exercise-1", "not a valid notebook"),
+        ("ann", "exercise-2", "not a valid notebook"), ("ann", "exercise-3", "not a valid notebook"),
+        ("ann", "", "not a valid notebook")]
     assert (out / "reports" / "ann.md").is_file() and (out / "summary.md").is_file()
 
 
@@ -511,8 +517,10 @@ def test_a_class_grades_in_minutes_and_keeps_going_past_bad_submissions(tmp_path
         "exercise cell: the kernel died (exit code 3) while running this cell")
     assert erin["exercise-3"]["reason"].startswith("not run: the kernel stopped earlier, in cell 6 of 11")
     # files that cannot be graded are in the gradebook with the reason
-    assert by_student(rows, "broken")[""]["reason"].startswith("not a valid notebook (NotJSONError")
-    assert by_student(rows, "weird")[""]["reason"].startswith("not a valid notebook (")
+    for who, error in (("broken", "NotJSONError"), ("weird", "")):  # 0 of 3 under 01_double
+        got = by_student(rows, who)
+        assert set(got) == set(full) and all(r["reason"].startswith(f"not a valid notebook ({error}")
+                                             and r["passed"] == "false" for r in got.values())
     assert by_student(rows, "stranger")[""]["reason"].startswith(
         "belongs to no course notebook: it carries no course metadata")
     # the per-student report names each failed exercise with the assertion message
@@ -1015,3 +1023,212 @@ def test_every_course_notebook_grades_full_and_zero(nb_path, tmp_path, request):
     out = tmp_path / "grades"
     grading.grade(sorted(folder.iterdir()), out, jobs=2, progress=False)
     _check_instructor_and_released(gradebook(out), name, find_exercises(read(nb_path)))
+
+
+# --- the instructor's review: broken setup, bad files, the gradebook, release metadata -------
+
+def _broken_setup_course(folder):
+    """The fixture course, copied, with a setup cell (before any exercise) that cannot run."""
+    shutil.copytree(COURSE, folder)
+    path = folder / TINY_NAME
+    nb = read(path)
+    nb.cells[1].source = "import not_installed_pkg_for_the_grading_test\n" + nb.cells[1].source
+    nbformat.write(nb, path)
+    return folder
+
+
+@pytest.mark.notebook
+def test_a_failed_instructor_cell_leaves_the_exercises_after_it_not_graded(tmp_path, capsys):
+    """A setup cell that fails (a broken grading environment) is no student's fault: the
+    exercises it broke are "not graded", in every output, and the command exits 3."""
+    from utils.__main__ import main
+
+    course = _broken_setup_course(tmp_path / "course")
+    subs = tmp_path / "submissions"
+    _write_class(subs, {"alice": solved(released()), "bob": released()})
+    out = tmp_path / "grades"
+    code = main(["grade", *map(str, sorted(subs.iterdir())), "--course", str(course),
+                 "--out", str(out), "--jobs", "2", "--timeout", "30"])
+    captured = capsys.readouterr()
+    assert code == 3, captured.out + captured.err
+    rows = gradebook(out)
+    alice, bob = by_student(rows, "alice"), by_student(rows, "bob")
+    said = ("not graded: the instructor's cell 2 of 11 (`import not_installed_pkg_for_the_grading_test`) "
+            "failed before this exercise: ModuleNotFoundError: No module named "
+            "'not_installed_pkg_for_the_grading_test'")
+    # checks 1 and 2 need the setup's names: not graded, neither passed nor failed, no points
+    for ex in ("exercise-1", "exercise-2"):
+        assert (alice[ex]["passed"], alice[ex]["points"], alice[ex]["reason"]) == ("", "", said)
+    # check 3 does not: a pass stays a pass
+    assert (alice["exercise-3"]["passed"], alice["exercise-3"]["points"]) == ("true", "1")
+    # the file's own row says what happened, and counts against nobody either
+    assert alice[""]["passed"] == "" and alice[""]["reason"].startswith(
+        "the instructor's cell 2 of 11 (`import not_installed_pkg_for_the_grading_test`) failed")
+    # the released stub is not done, broken setup or not
+    assert all(bob[e]["passed"] == "false" and bob[e]["reason"].startswith("not done")
+               for e in ("exercise-1", "exercise-2", "exercise-3"))
+    # the console: a warning per file, and the totals leave out what was not graded
+    assert "WARNING alice: 01-tiny/01_double.ipynb: 2 exercise(s) not graded: the instructor's " \
+           "cell 2 of 11" in captured.out
+    assert "1 of 4 exercises passed; 2 not graded" in captured.out
+    assert captured.err.startswith("WARNING: 2 exercise(s) in 1 file(s) could not be graded")
+    # the summary and the report: 1 of 1 points for alice, the two exercises not graded
+    summary = (out / "summary.md").read_text()
+    assert "| alice | 01-tiny/01_double.ipynb | 1 | 1 |  | exercise-1, exercise-2 |" in summary
+    report = (out / "reports" / "alice.md").read_text()
+    assert "**1 of 1 points**" in report and "2 exercise(s) could not be graded" in report
+    assert "| Exercise 1: return twice the input | not graded | - | not graded: " in report
+    assert "Failed:" not in report and "Not graded:" in report
+    assert str(tmp_path) not in report
+
+
+def _scored(records, between=True):
+    """_score on the fixture notebook with an instructor cell between exercises 1 and 2.
+
+    ``records``: code cell ordinal -> (status, message); any other code cell passed. The code
+    cells are 0 setup, 1 exercise 1, 2 check 1, 3 the instructor's cell, 4 exercise 2, 5 check
+    2, 6 exercise 3, 7 check 3, 8 the last cell.
+    """
+    nb = read(TINY)
+    nb.cells.insert(5, nbformat.v4.new_code_cell("# the instructor's demo\nprint(double(2))"))
+    exercises = find_exercises(nb)
+    sub = grading.Submission("sam", TINY, "sam/01_double.ipynb")
+    prep = grading._Prepared(sub, TINY_NAME, exercises, nb)
+    cells = {n: {"cell": n, "status": "passed", "message": ""} for n in range(9)}
+    for n, (status, message) in records.items():
+        cells[n] = {"cell": n, "status": status, "message": message}
+    run = grading._RunResult(cells, 1.0, False, 1, "", False)
+    rows, _ = grading._score(prep, run, 60)
+    return {r.exercise: r for r in rows}
+
+
+def test_an_instructor_cell_the_students_code_may_have_broken_leaves_the_grades_alone():
+    """Exercises after a failed instructor cell are "not graded" only when no failed answer
+    of the student's ran before it (which could have broken it)."""
+    failed = ("failed", "NameError: name 'x' is not defined")
+    # every exercise before the instructor's cell passed: the exercises after it are not graded
+    rows = _scored({3: failed, 4: failed})
+    assert rows["exercise-1"].passed and rows["exercise-1"].graded
+    assert not rows["exercise-2"].graded and rows["exercise-2"].reason.startswith(
+        "not graded: the instructor's cell 6 of 12 (`# the instructor's demo`) failed")
+    assert rows["exercise-3"].passed
+    # exercise 1 failed before it: the failure may be the student's doing, so it is graded
+    rows = _scored({1: failed, 3: failed, 4: failed})
+    assert [rows[e].graded for e in ("exercise-1", "exercise-2", "exercise-3", "")] == [True] * 4
+    assert rows["exercise-2"].reason == "exercise cell: NameError: name 'x' is not defined"
+    assert rows[""].reason.endswith("exercises after it may have failed because of it")
+    # the released stub and an empty cell are the student's, whatever failed before them
+    rows = _scored({0: failed, 2: failed, 4: ("failed", grading.STUB_MESSAGE + ": Exercise 2")})
+    assert not rows["exercise-1"].graded and rows["exercise-2"].graded
+    assert rows["exercise-2"].reason.startswith("not done")
+
+
+def test_an_invalid_file_named_like_a_course_notebook_scores_zero_under_it(tmp_path):
+    """An invalid notebook named like a course notebook counts 0 of N under it, like a valid
+    one, not 0 of 0 under its own path; a valid copy of the same student's is preferred."""
+    (tmp_path / "eve").mkdir()
+    (tmp_path / "eve" / "01_double.ipynb").write_text("{not json")
+    grades = grading.grade([tmp_path / "eve"], tmp_path / "grades", course_root=COURSE,
+                           progress=False)
+    [g] = grades
+    assert (g.notebook, g.points, g.max_points) == (TINY_NAME, 0, 3)
+    rows = by_student(gradebook(tmp_path / "grades"), "eve")
+    assert set(rows) == {"exercise-1", "exercise-2", "exercise-3"}
+    assert all(r["notebook"] == TINY_NAME and r["passed"] == "false"
+               and r["reason"].startswith("not a valid notebook (NotJSONError") for r in rows.values())
+    assert f"| eve | {TINY_NAME} | 0 | 3 | exercise-1, exercise-2, exercise-3 |" in \
+        (tmp_path / "grades" / "summary.md").read_text()
+
+
+def test_a_second_copy_of_a_notebook_is_set_aside_not_failed(tmp_path, monkeypatch):
+    """One file per student and notebook is graded; the others are "not graded" file rows,
+    with no line of their own in the summary."""
+    def fake_run(graded, name, *args, **kwargs):
+        cells = {n: {"cell": n, "status": "passed", "message": ""} for n in range(8)}
+        return grading._RunResult(cells, 0.1, False, 0, "", False)
+
+    monkeypatch.setattr(grading, "_run_nbval", fake_run)
+    eve = tmp_path / "eve"
+    (eve / "old").mkdir(parents=True)
+    nbformat.write(solved(released()), eve / "01_double.ipynb")
+    nbformat.write(solved(released()), eve / "01_double (1).ipynb")
+    (eve / "old" / "01_double.ipynb").write_text("{not json")  # an invalid copy too
+    grades = grading.grade([eve], tmp_path / "grades", course_root=COURSE, progress=False)
+    assert sorted((g.submission.split("eve/")[1], g.points, g.max_points) for g in grades) == [
+        ("01_double (1).ipynb", 0, 0), ("01_double.ipynb", 3, 3), ("old/01_double.ipynb", 0, 0)]
+    rows = [r for r in gradebook(tmp_path / "grades") if not r["exercise"]]
+    assert len(rows) == 2 and all(r["passed"] == r["points"] == "" and r["reason"].startswith(
+        "not graded: another file of this student for 01-tiny/01_double.ipynb was graded")
+        for r in rows)
+    summary = (tmp_path / "grades" / "summary.md").read_text()
+    assert summary.count("| eve |") == 1 and f"| eve | {TINY_NAME} | 3 | 3 |" in summary
+
+
+def test_the_gradebook_reason_is_one_line():
+    """A multi-line reason (a torch.testing message) is one line in the CSV, cut to 300
+    characters, keeping the grader's notes at its end; the report keeps it whole."""
+    message = ("check: AssertionError: Tensor-likes are not close!\n\nMismatched elements: 3 / 4 "
+               "(75.0%)\nGreatest absolute difference: 0.5 at index (1,)\n" + "x" * 400)
+    note = "review by hand: the exercise cell uses subprocesses or sockets"
+    row = grading.GradeRow("carol", TINY_NAME, "exercise-1", False, 0.0, f"{message}; {note}")
+    reason = row.as_csv()[-1]
+    assert "\n" not in reason and len(reason) <= 300
+    assert reason.startswith("check: AssertionError: Tensor-likes are not close! / Mismatched "
+                             "elements: 3 / 4 (75.0%) / Greatest absolute difference")
+    assert reason.endswith("xxx...; " + note)
+    short = grading.GradeRow("carol", TINY_NAME, "exercise-1", False, 0.0, "one\ntwo")
+    assert short.as_csv()[-1] == "one / two"
+    grade = grading.NotebookGrade("carol", "carol/01_double.ipynb", TINY_NAME, (row,),
+                                  (("exercise-1", "Exercise 1"),))
+    assert "x" * 400 in grading.student_report("carol", [grade])
+
+
+def test_student_help_names_the_command_typed(capsys):
+    from utils.__main__ import build_parser
+
+    for command in ("release", "student"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([command, "--help"])
+        assert capsys.readouterr().out.startswith(f"usage: python -m utils {command} ")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["grade", "--help"])
+    assert "3: " in capsys.readouterr().out  # the exit codes are documented
+
+
+def test_release_keeps_only_the_metadata_a_student_notebook_needs():
+    """Widget state, stray cell metadata and unused attachments stay with the instructor."""
+    nb = read(TINY)
+    nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {"SECRET_WIDGET": 1}}
+    nb.metadata["papermill"] = {"parameters": {}}
+    nb.cells[3].metadata.update({"note": "SECRET_CELLMETA", "tags": ["parameters"],
+                                 "ExecuteTime": {"end_time": "now"}})
+    picture = {"image/png": "iVBORw0KGgo="}
+    nb.cells[0].attachments = {"secret.png": picture}
+    nb.cells[9].source += "\n\n![plot](attachment:plot.png)"
+    nb.cells[9].attachments = {"plot.png": picture, "solution.png": picture}
+    stud = release_notebook(nb, TINY_NAME)
+    assert "SECRET_" not in json.dumps(stud)
+    assert set(stud.metadata) == {"kernelspec", "language_info", "course"}
+    assert stud.cells[3].metadata == {"tags": ["parameters"],
+                                      "course": {"id": "exercise-1", "role": "exercise"}}
+    assert "attachments" not in stud.cells[0]
+    assert stud.cells[9].attachments == {"plot.png": picture}  # the one the text shows
+    nbformat.validate(stud)
+
+
+def test_probing_the_installed_package_is_flagged_for_review():
+    frank = ('# Exercise 1: return twice the input\nimport importlib.metadata, json\n'
+             'url = json.loads(importlib.metadata.distribution("pytorch-optimization-track")'
+             '.read_text("direct_url.json"))["url"]\n'
+             'src = open(url[7:] + "/01-tiny/01_double." + "ipy" + "nb").read()\nexec(src)\n')
+    notes = grading._review_notes(frank)
+    assert any("installed packages" in n for n in notes), notes
+    assert any("exec" in n for n in notes), notes
+    for probe in ("import site\nsite.getsitepackages()", "p = '/usr/lib/python3/site-packages'",
+                  "from importlib_metadata import files", "import __editable___x_finder",
+                  "sys.meta_path"):
+        assert grading._review_notes(probe), probe
+    # honest exercise code is not flagged
+    for honest in ("model.eval()\nfuse_conv_bn_eval(conv, bn)", "torch.save(m.state_dict(), 'm.pth')",
+                   "import importlib.util\nspec = importlib.util.find_spec('triton')"):
+        assert not grading._review_notes(honest), honest

@@ -6,6 +6,10 @@
     python -m utils release [PATH...] [--out DIR]   student versions (alias: student)
     python -m utils grade SUBMISSION... [--out DIR] [--timeout S] [--jobs N]
                           [--memory-limit GIB] [--hide-gpus]
+
+``grade`` exits 0 when every file was graded (whatever the grades), 2 on a bad argument
+and 3 when some exercises could not be graded because an instructor's cell before them
+failed (see :data:`GRADE_NOT_GRADED_EXIT`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ import sys
 from pathlib import Path
 
 from .course.runner import DEFAULT_CELL_TIMEOUT_S
+
+#: ``grade``'s exit code when an instructor's cell failed and kept exercises from being graded.
+GRADE_NOT_GRADED_EXIT = 3
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
@@ -80,12 +87,21 @@ def _cmd_grade(args: argparse.Namespace) -> int:
     grades = grade(args.paths, out, course_root=args.course, timeout_s=args.timeout,
                    notebook_timeout_s=args.notebook_timeout, jobs=args.jobs,
                    memory_limit_gib=args.memory_limit, hide_gpus=args.hide_gpus)
-    rows = [r for g in grades for r in g.rows]
-    passed = sum(r.passed for r in rows if r.exercise)
+    graded = [r for g in grades for r in g.rows if r.exercise and r.graded]
+    not_graded = [g for g in grades if g.not_graded]
+    skipped = sum(len(g.not_graded) for g in not_graded)
     print(f"\n{len(grades)} file(s) of {len({g.student for g in grades})} student(s): "
-          f"{passed} of {sum(1 for r in rows if r.exercise)} exercises passed.")
+          f"{sum(r.passed for r in graded)} of {len(graded)} exercises passed"
+          + (f"; {skipped} not graded." if skipped else "."))
     print(f"gradebook: {out / 'gradebook.csv'}; per-student reports: {out / 'reports'}; "
           f"summary: {out / 'summary.md'}")
+    if skipped:
+        print(f"WARNING: {skipped} exercise(s) in {len(not_graded)} file(s) could not be graded: an "
+              "instructor's cell before them failed (a package missing from the grading "
+              "environment?). They count neither for nor against the students; the gradebook's "
+              "reasons name the cell and its error. Fix it and grade those files again.",
+              file=sys.stderr)
+        return GRADE_NOT_GRADED_EXIT
     return 0
 
 
@@ -132,18 +148,28 @@ def build_parser() -> argparse.ArgumentParser:
                         "then named by notebook, device and date")
     p.set_defaults(func=_cmd_report)
 
-    p = sub.add_parser("release", aliases=["student"],
-                       help="write student versions (solutions replaced by stubs, cells given ids)")
-    p.add_argument("paths", nargs="*",
-                   help="notebooks and/or module folders (default: every course notebook)")
-    p.add_argument("--out", default="student", help="folder for the student notebooks (default: student)")
-    p.add_argument("--course", default=None, metavar="DIR",
-                   help="folder holding the instructor modules (default: this repository)")
-    p.set_defaults(func=_cmd_release)
+    # `student` is the old name of `release`: a parser of its own (argparse's alias would show
+    # `release` in its usage line), with no line in the list of commands.
+    for name, kwargs in (("release", {"help": "write student versions (solutions replaced by "
+                                              "stubs, cells given ids); old name: student"}),
+                         ("student", {"description": "The old name of `release`."})):
+        p = sub.add_parser(name, **kwargs)
+        p.add_argument("paths", nargs="*",
+                       help="notebooks and/or module folders (default: every course notebook)")
+        p.add_argument("--out", default="student",
+                       help="folder for the student notebooks (default: student)")
+        p.add_argument("--course", default=None, metavar="DIR",
+                       help="folder holding the instructor modules (default: this repository)")
+        p.set_defaults(func=_cmd_release)
 
     from .course.grading import DEFAULT_CELL_TIMEOUT_S as GRADE_CELL_S, DEFAULT_NOTEBOOK_TIMEOUT_S
 
-    p = sub.add_parser("grade", help="grade submissions per exercise with nbval (runs students' code!)")
+    p = sub.add_parser("grade", help="grade submissions per exercise with nbval (runs students' code!)",
+                       epilog=f"exit codes: 0: every file was graded, whatever the grades; 2: a bad "
+                              f"argument or path; {GRADE_NOT_GRADED_EXIT}: some exercises could not "
+                              "be graded because an instructor's cell before them failed (a "
+                              "broken grading environment, most often): a warning says so, and "
+                              "the gradebook leaves their passed and points empty")
     p.add_argument("paths", nargs="+", metavar="SUBMISSION",
                    help="submitted notebooks and/or one folder per student")
     p.add_argument("--out", default="grades",

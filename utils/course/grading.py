@@ -15,7 +15,14 @@ submitted notebook it
    subprocess with a per-cell timeout *and* a wall-clock limit; on that limit
    the subprocess and the kernel (its own process group) are killed;
 4. **scores each exercise**: it passes when its exercise cell and its check
-   cell both ran without an error.
+   cell both ran without an error. An exercise that did not pass after one of
+   the instructor's own cells failed (setup that cannot import a package: a
+   broken grading environment) is *not graded*, unless an exercise before that
+   cell failed (the student's code may have broken it) or it is the released
+   stub or empty: it counts neither for nor against the student, its
+   ``passed`` and ``points`` are empty in ``gradebook.csv``, its reason names
+   the instructor's cell and its error, and ``python -m utils grade`` warns
+   and exits 3.
 
 Hidden checks (``### BEGIN HIDDEN TESTS`` ... ``### END HIDDEN TESTS`` in a check
 cell) are not in the student version (:mod:`utils.course.student`) but are in the
@@ -38,16 +45,20 @@ course repository that holds a copy of the ``utils`` package, each module's
 helper files (scripts, helper modules) and the *student* version of every
 course notebook, and nothing else: its working folder, ``utils.__file__``,
 ``sys.path`` (``PYTHONPATH`` is the scratch folder) and its environment lead
-to no solution. The per-cell results come back through a small pytest plugin
-(:mod:`utils.course.grading_plugin`) whose records are signed with a key the kernel
-never sees, so code in the kernel cannot forge them. None of this is a
+to no solution, except that an editable install (``pip install -e .``) records
+the checkout's path in the package's metadata (``direct_url.json``, the
+``__editable__`` finder), which any code can read. The per-cell results come
+back through a small pytest plugin (:mod:`utils.course.grading_plugin`) whose
+records are signed with a key the kernel never sees, so code in the kernel
+cannot forge them. None of this is a
 sandbox: the kernel runs with the grader's rights, and code that opens the
 instructor's files by their absolute path, or subverts the interpreter the
 checks run in, is stopped only by the operating system. Run grading in a
 container or as an unprivileged user without network (see README).
 
 Every failure ends up in the gradebook with a reason, and never stops the
-batch: a file that is not a notebook or is not valid JSON, a notebook that
+batch: a file that is not a notebook or is not valid JSON (named like a course
+notebook, it fails each of that notebook's exercises), a notebook that
 belongs to no course notebook, an empty or missing exercise cell, an error at
 import, a cell that loops (stopped at the per-cell timeout, or at the
 wall-clock limit when it ignores the interrupt), a kernel that dies
@@ -112,6 +123,8 @@ __all__ = [
 ]
 
 GRADEBOOK_COLUMNS = ("student", "notebook", "exercise", "passed", "points", "reason")
+#: The longest ``reason`` in gradebook.csv (the per-student report keeps the whole text).
+CSV_REASON_CHARS = 300
 #: Per-cell limit. The slowest smoke-size cells of the course (a cold torch.compile on a
 #: loaded 2-core machine) take well under a minute; the test suite allows the same 300 s.
 DEFAULT_CELL_TIMEOUT_S = 300
@@ -138,6 +151,13 @@ _REVIEW = [
     (re.compile(r"\bos\._exit\b|\bos\.kill\b|\bsignal\.|\bctypes\b"), "process control (os._exit, signals, ctypes)"),
     (re.compile(r"\.ipynb\b|/proc/|COURSE_GRADING"), "notebook files or the grader's files"),
     (re.compile(r"\bsubprocess\b|\bos\.system\b|\bsocket\b"), "subprocesses or sockets"),
+    # how an editable install leads back to the instructor's tree (a direct_url.json, the
+    # __editable__ finder, a .pth file in site-packages)
+    (re.compile(r"\bimportlib[._]metadata\b|\bpkg_resources\b|direct_url|__editable__|"
+                r"\bsite-packages\b|\bdist-packages\b|\bgetsitepackages\b|\bgetusersitepackages\b|"
+                r"\bmeta_path\b|\bpath_hooks\b"),
+     "the installed packages' metadata or files (importlib.metadata, site-packages)"),
+    (re.compile(r"(?<![\w.])(exec|eval)\s*\("), "code run from a string (exec, eval)"),
 ]
 
 
@@ -157,7 +177,13 @@ class Submission:
 
 @dataclass(frozen=True)
 class GradeRow:
-    """One line of the gradebook."""
+    """One line of the gradebook.
+
+    ``graded`` false: the grader could not grade it, and it counts neither for nor against
+    the student (an exercise after an instructor's cell that failed, the row of that cell,
+    a second copy of a notebook that was set aside). Its ``passed`` and ``points`` are empty
+    in gradebook.csv, and its reason starts with what happened.
+    """
 
     student: str
     notebook: str
@@ -165,10 +191,33 @@ class GradeRow:
     passed: bool
     points: float
     reason: str
+    graded: bool = True
 
     def as_csv(self) -> list[str]:
-        return [self.student, self.notebook, self.exercise, "true" if self.passed else "false",
-                f"{self.points:g}", self.reason]
+        """The row of gradebook.csv: its reason on one line (see :func:`_csv_reason`)."""
+        passed = ("true" if self.passed else "false") if self.graded else ""
+        points = f"{self.points:g}" if self.graded else ""
+        return [self.student, self.notebook, self.exercise, passed, points, _csv_reason(self.reason)]
+
+
+# The notes the grader adds after a reason (see _prepare and build_graded): a cut keeps them.
+_TRAILING_NOTES = re.compile(r"(?:; (?:review by hand: |the exercise cell is missing|\d+ cells carry|"
+                             r"matched by its )[^;]*)+$")
+
+
+def _csv_reason(reason: str, limit: int = CSV_REASON_CHARS) -> str:
+    """A reason on one line (its lines joined by `` / ``), at most ``limit`` characters.
+
+    A longer one is cut inside its message, with ``...``; the grader's notes at its end
+    (``review by hand: ...``) are kept whole.
+    """
+    text = " / ".join(ln.strip() for ln in str(reason).splitlines() if ln.strip())
+    if len(text) <= limit:
+        return text
+    notes = _TRAILING_NOTES.search(text)
+    tail = notes.group(0) if notes and len(notes.group(0)) <= limit // 2 else ""
+    head = text[:len(text) - len(tail)]
+    return head[:limit - len(tail) - 3].rstrip() + "..." + tail
 
 
 @dataclass(frozen=True)
@@ -177,7 +226,8 @@ class NotebookGrade:
 
     ``rows`` holds one row per exercise of the matched instructor notebook
     (titles in ``titles``), plus a row with an empty ``exercise`` for a problem
-    with the file or the run as a whole. ``points``/``max_points`` sum them up.
+    with the file or the run as a whole. ``points``/``max_points`` sum them up;
+    an exercise that was not graded (:attr:`not_graded`) is left out of both.
     """
 
     student: str
@@ -197,7 +247,17 @@ class NotebookGrade:
 
     @property
     def max_points(self) -> float:
-        return float(len(self.titles))
+        return float(len(self.titles) - len(self.not_graded))
+
+    @property
+    def not_graded(self) -> tuple[GradeRow, ...]:
+        """The exercise rows the grader could not grade (an instructor's cell failed before them)."""
+        return tuple(r for r in self.rows if r.exercise and not r.graded)
+
+    @property
+    def set_aside(self) -> bool:
+        """A file left ungraded as a whole (another copy of the same notebook was graded)."""
+        return bool(self.rows) and not self.titles and not any(r.graded for r in self.rows)
 
 
 @dataclass
@@ -851,10 +911,13 @@ def _score(prep: _Prepared, run: _RunResult, wall_s: float,
             msg = _with_limits(_hidden_safe(rec, msg, prep.hidden.get(i, [])), run)
         return status, msg
 
+    roles = {i for ex in prep.exercises for i in (ex.cell_index, ex.check_index)}
+    # The first of the instructor's own cells that failed (setup, a demo between exercises).
+    first_bad = next((i for i in code if i not in roles and records.get(i, {}).get("status")
+                      in ("failed", "error")
+                      and not records[i].get("message", "").startswith("not run")), None)
     rows, notes = [], []
-    roles = set()
     for ex in prep.exercises:
-        roles.update({ex.cell_index, ex.check_index})
         status, msg = outcome(ex.cell_index)
         check = outcome(ex.check_index) if ex.check_index is not None else ("passed", "")
         extra = prep.notes.get(ex.id, [])
@@ -868,29 +931,48 @@ def _score(prep: _Prepared, run: _RunResult, wall_s: float,
             passed, reason = True, ""
         reason = scrub("; ".join([r for r in [reason] if r] + extra))
         rows.append(GradeRow(student, name, ex.id, passed, 1.0 if passed else 0.0, reason))
-    # A failure in one of the instructor's own cells, or of the run as a whole.
-    first_bad = next((i for i in code if i not in roles and records.get(i, {}).get("status")
-                      in ("failed", "error")
-                      and not records[i].get("message", "").startswith("not run")), None)
-    problems = []
+    # An exercise after a failed instructor's cell could not be graded: its names, imports
+    # and data are missing (a broken grading environment, most often). Unless an exercise
+    # before that cell failed (the student's code may have broken it), such an exercise is
+    # "not graded" rather than failed; a pass stays a pass, and the released stub or an empty
+    # cell is the student's whatever came before.
+    broken = ""
     if first_bad is not None:
-        problems.append(f"the instructor's {_describe(graded, first_bad)} failed: "
-                        f"{outcome(first_bad)[1]}; exercises after it may have "
-                        "failed because of it")
+        broken = f"the instructor's {_describe(graded, first_bad)} failed"
+        said = outcome(first_bad)[1]
+        before = [r for ex, r in zip(prep.exercises, rows) if ex.cell_index < first_bad]
+        if not run.tampered and all(r.passed for r in before):
+            for k, ex in enumerate(prep.exercises):
+                row = rows[k]
+                if ex.cell_index < first_bad or row.passed or ex.id in prep.empty \
+                        or row.reason.startswith("not done"):
+                    continue
+                reason = "; ".join([f"not graded: {broken} before this exercise: {said}"]
+                                   + prep.notes.get(ex.id, []))
+                rows[k] = GradeRow(student, name, ex.id, False, 0.0, scrub(reason), graded=False)
+    problems: list[tuple[str, bool]] = []  # (what happened, whether it is graded)
+    if first_bad is not None:
+        if any(not r.graded for r in rows):
+            problems.append((f"{broken}: {said}; the exercises after it that did not pass "
+                             "were not graded", False))
+        else:
+            problems.append((f"{broken}: {said}; exercises after it may have failed because "
+                             "of it", True))
     outside = run.cells.get(NOTEBOOK_RECORD)
     if outside and outside.get("status") == "failed":
-        problems.append(f"the notebook {outside.get('message', '')} (started after the last cell "
-                        "the grader saw end)")
+        problems.append((f"the notebook {outside.get('message', '')} (started after the last "
+                         "cell the grader saw end)", True))
     if run.killed:
-        problems.append(f"stopped at the wall-clock limit of {wall_s:g} s (--notebook-timeout)")
+        problems.append((f"stopped at the wall-clock limit of {wall_s:g} s (--notebook-timeout)",
+                         True))
     if run.tampered:
-        problems.append("the grader's results file held records the grader did not sign "
-                        "(ignored): code in the kernel wrote to it")
+        problems.append(("the grader's results file held records the grader did not sign "
+                         "(ignored): code in the kernel wrote to it", True))
     elif not run.cells and not run.killed:
-        problems.append(f"nbval did not run (exit code {run.returncode}): "
-                        f"{_first_line(run.log_tail[-600:]) or 'no output'}")
-    for p in problems:
-        rows.append(GradeRow(student, name, "", False, 0.0, scrub(p)))
+        problems.append((f"nbval did not run (exit code {run.returncode}): "
+                         f"{_first_line(run.log_tail[-600:]) or 'no output'}", True))
+    for p, counted in problems:
+        rows.append(GradeRow(student, name, "", False, 0.0, scrub(p), graded=counted))
     if not run.cells:
         notes.append("last lines of the nbval run:\n" + run.log_tail[-1500:])
     return rows, notes
@@ -925,9 +1007,10 @@ def _safe(name: str) -> str:
     return re.sub(r"[^\w.-]+", "_", name).strip("._") or "student"
 
 
-def _file_row(sub: Submission, reason: str, notebook: str = "") -> NotebookGrade:
+def _file_row(sub: Submission, reason: str, notebook: str = "", graded: bool = True) -> NotebookGrade:
     return NotebookGrade(sub.student, sub.label, notebook,
-                         (GradeRow(sub.student, notebook or sub.label, "", False, 0.0, reason),),
+                         (GradeRow(sub.student, notebook or sub.label, "", False, 0.0, reason,
+                                   graded),),
                          file=sub.file)
 
 
@@ -941,8 +1024,16 @@ def _prepare(sub: Submission, course: _Course) -> _Prepared | NotebookGrade:
         if not isinstance(nb.get("cells"), list):
             raise ValueError("it has no list of cells")
     except Exception as exc:  # noqa: BLE001 - JSON errors, NotJSONError, unknown nbformat...
-        return _file_row(sub, f"not a valid notebook ({type(exc).__name__}: "
-                              f"{_first_line(str(exc)) or 'unreadable'}): nothing was executed")
+        why = (f"not a valid notebook ({type(exc).__name__}: "
+               f"{_first_line(str(exc)) or 'unreadable'}): nothing was executed")
+        name, _ = course.match({}, sub.path)  # by its file name, as a valid one would be
+        if name is None:
+            return _file_row(sub, why)
+        _, exercises = course.load(name)
+        return NotebookGrade(sub.student, sub.label, name,
+                             tuple(GradeRow(sub.student, name, ex.id, False, 0.0, why)
+                                   for ex in exercises),
+                             tuple((ex.id, ex.title) for ex in exercises), file=sub.file)
     name, how = course.match(nb, sub.path)
     if name is None:
         return _file_row(sub, how + ": nothing was executed")
@@ -1037,20 +1128,33 @@ def _grade_one(prep: _Prepared, template: Path, hidden: Sequence[Path], out: Pat
                          str(executed), str(log), tuple(prep.file_notes + notes), sub.file)
 
 
-def _dedupe(prepared: list[_Prepared]) -> tuple[list[_Prepared], list[NotebookGrade]]:
-    """One graded file per (student, notebook): the one named like the course notebook, else the first."""
-    groups: dict[tuple[str, str], list[_Prepared]] = {}
-    for p in prepared:
-        groups.setdefault((p.submission.student, p.name), []).append(p)
-    keep, dropped = [], []
+def _dedupe(found: Sequence[tuple[Submission, _Prepared | NotebookGrade]]
+            ) -> tuple[list[_Prepared], list[NotebookGrade]]:
+    """One graded file per (student, notebook), the others set aside (a "not graded" file row).
+
+    The one kept: a valid notebook before an invalid one (graded 0 without a run), then the
+    one named like the course notebook, then the first by path.
+    """
+    groups: dict[tuple[str, str], list[tuple[Submission, _Prepared | NotebookGrade]]] = {}
+    done: list[NotebookGrade] = []
+    for sub, p in found:
+        if isinstance(p, _Prepared):
+            groups.setdefault((sub.student, p.name), []).append((sub, p))
+        elif p.titles:  # an invalid file, matched to a course notebook by its name
+            groups.setdefault((sub.student, p.notebook), []).append((sub, p))
+        else:
+            done.append(p)
+    keep = []
     for (_, name), group in groups.items():
-        group.sort(key=lambda p: (p.submission.path.name != Path(name).name, p.submission.label))
-        keep.append(group[0])
-        for p in group[1:]:
-            dropped.append(_file_row(p.submission, f"another file of this student for {name} was "
-                                                   f"graded ({group[0].submission.file}); this one was not",
-                                     name))
-    return keep, dropped
+        group.sort(key=lambda item: (not isinstance(item[1], _Prepared),
+                                     item[0].path.name != Path(name).name, item[0].label))
+        first, chosen = group[0]
+        (keep if isinstance(chosen, _Prepared) else done).append(chosen)
+        for sub, _ in group[1:]:
+            done.append(_file_row(sub, f"not graded: another file of this student for {name} was "
+                                       f"graded ({first.file}); this one was not", name,
+                                  graded=False))
+    return keep, done
 
 
 def _write_gradebook(grades: Sequence[NotebookGrade], path: Path) -> None:
@@ -1066,6 +1170,14 @@ def _md(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+def _not_graded_line(g: NotebookGrade) -> str:
+    """``2 exercise(s) not graded: the instructor's cell 2 of 11 (...) failed: ...``, on one line."""
+    why = next((r.reason for r in g.rows if not r.exercise and not r.graded
+                and r.reason.startswith("the instructor's")), "")
+    why = why.split("; the exercises after it", 1)[0]
+    return _csv_reason(f"{len(g.not_graded)} exercise(s) not graded" + (f": {why}" if why else ""))
+
+
 def student_report(student: str, grades: Sequence[NotebookGrade]) -> str:
     """Markdown report for one student: points per notebook, each exercise passed or not and why.
 
@@ -1075,25 +1187,34 @@ def student_report(student: str, grades: Sequence[NotebookGrade]) -> str:
     """
     total = sum(g.points for g in grades)
     most = sum(g.max_points for g in grades)
+    skipped = sum(len(g.not_graded) for g in grades)
     lines = [f"# Grading report: {student}", "",
-             f"**{total:g} of {most:g} points** over {len(grades)} submitted file(s).", ""]
+             f"**{total:g} of {most:g} points** over {len(grades)} submitted file(s)." + (
+                 f" {skipped} exercise(s) could not be graded, through no fault of yours (see "
+                 "below): they count neither for nor against you."
+                 if skipped else ""), ""]
     for g in grades:
         titles = dict(g.titles)
         head = g.notebook or g.file or Path(g.submission).name
         lines += [f"## {head}", "", f"Submitted file: `{g.file or Path(g.submission).name}`" + (
-            f"; {g.points:g} of {g.max_points:g} points." if g.titles else "."), ""]
+            f"; {g.points:g} of {g.max_points:g} points" + (
+                f", {len(g.not_graded)} exercise(s) not graded." if g.not_graded else ".")
+            if g.titles else "."), ""]
         exercise_rows = [r for r in g.rows if r.exercise]
         if exercise_rows:
             lines += ["| exercise | passed | points | reason |", "|---|---|---|---|"]
-            lines += [f"| {_md(titles.get(r.exercise, r.exercise))} | {'yes' if r.passed else 'no'} "
-                      f"| {r.points:g} | {_md(r.reason)} |" for r in exercise_rows]
+            lines += [f"| {_md(titles.get(r.exercise, r.exercise))} | "
+                      f"{('yes' if r.passed else 'no') if r.graded else 'not graded'} "
+                      f"| {f'{r.points:g}' if r.graded else '-'} | {_md(r.reason)} |"
+                      for r in exercise_rows]
             lines.append("")
-        failed = [r for r in exercise_rows if not r.passed]
-        if failed:
-            lines += ["Failed:", ""]
-            lines += [f"- **{titles.get(r.exercise, r.exercise)}** (`{r.exercise}`): {r.reason}"
-                      for r in failed]
-            lines.append("")
+        for heading, listed in (("Failed:", [r for r in exercise_rows if r.graded and not r.passed]),
+                                ("Not graded:", [r for r in exercise_rows if not r.graded])):
+            if listed:
+                lines += [heading, ""]
+                lines += [f"- **{titles.get(r.exercise, r.exercise)}** (`{r.exercise}`): {r.reason}"
+                          for r in listed]
+                lines.append("")
         problems = [r for r in g.rows if not r.exercise]
         if problems:
             lines += ["Problems with this file:", ""] + [f"- {r.reason}" for r in problems] + [""]
@@ -1132,12 +1253,15 @@ def _write_reports(grades: Sequence[NotebookGrade], out: Path,
         path = folder / f"{names.get(student) or _safe(student)}.md"
         path.write_text(student_report(student, gs), encoding="utf-8")
         written[student] = path
-    summary = ["# Gradebook summary", "", "| student | notebook | points | of | failed |",
-               "|---|---|---|---|---|"]
+    summary = ["# Gradebook summary", "",
+               "| student | notebook | points | of | failed | not graded |", "|---|---|---|---|---|---|"]
     for g in grades:
-        failed = ", ".join(r.exercise or "(file)" for r in g.rows if not r.passed)
+        if g.set_aside:
+            continue  # a second copy: the copy graded has the line (gradebook.csv has both)
+        failed = ", ".join(r.exercise or "(file)" for r in g.rows if r.graded and not r.passed)
+        skipped = ", ".join(r.exercise for r in g.not_graded)
         summary.append(f"| {_md(g.student)} | {_md(g.notebook or g.submission)} | {g.points:g} | "
-                       f"{g.max_points:g} | {_md(failed)} |")
+                       f"{g.max_points:g} | {_md(failed)} | {_md(skipped)} |")
     (out / "summary.md").write_text("\n".join(summary) + "\n", encoding="utf-8")
     return written
 
@@ -1200,13 +1324,7 @@ def grade(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    grades: list[NotebookGrade] = []
-    prepared: list[_Prepared] = []
-    for sub in submissions:
-        p = _prepare(sub, course)
-        (grades if isinstance(p, NotebookGrade) else prepared).append(p)
-    prepared, dropped = _dedupe(prepared)
-    grades += dropped
+    prepared, grades = _dedupe([(sub, _prepare(sub, course)) for sub in submissions])
     gpus = [] if hide_gpus or not prepared else _visible_gpus()
     if gpus:
         jobs = min(jobs, len(gpus))
@@ -1251,6 +1369,9 @@ def grade(
                 if progress:
                     print(f"    {g.student}: {g.notebook}: {g.points:g} of {g.max_points:g} "
                           f"points ({g.seconds:.0f} s)", flush=True)
+                    if g.not_graded:
+                        print(f"    WARNING {g.student}: {g.notebook}: {_not_graded_line(g)}",
+                              flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     grades.sort(key=lambda g: (g.student, g.submission))

@@ -66,6 +66,13 @@ HIDDEN_NOTE = "# (hidden checks run here when your notebook is graded)"
 METADATA_KEY = "course"
 #: Version of the metadata layout written by :func:`release_notebook`.
 RELEASE_FORMAT = 1
+#: The notebook metadata a student version keeps (with :data:`METADATA_KEY`): what Jupyter and
+#: nbval need to start the kernel. Widget state, papermill's record and the rest stay behind.
+NOTEBOOK_METADATA_KEPT = ("kernelspec", "language_info")
+#: The cell metadata a student version keeps (with :data:`METADATA_KEY`): tags (the course's
+#: ``parameters``, nbval's markers) and how Jupyter shows a cell and lets it be edited.
+CELL_METADATA_KEPT = ("tags", "editable", "deletable", "jupyter")
+_ATTACHMENT = re.compile(r"attachment:([^\s)\"'>]+)")
 NOTEBOOK_GLOB = "[0-9][0-9]-*/[0-9][0-9]_*.ipynb"
 _REGION = re.compile(r"^([ \t]*)### BEGIN SOLUTION[^\n]*\n.*?^[ \t]*### END SOLUTION[^\n]*(\n|$)",
                      re.S | re.M)
@@ -236,6 +243,11 @@ def notebook_name(path: str | os.PathLike, course_root: str | os.PathLike | None
 def release_notebook(nb: Any, name: str) -> Any:
     """The student version of an instructor notebook (a new notebook; ``nb`` is unchanged).
 
+    It keeps only the metadata a student notebook needs (:data:`NOTEBOOK_METADATA_KEPT`,
+    :data:`CELL_METADATA_KEPT`), and of a cell's attachments only those its text shows
+    (``attachment:NAME``): anything else the instructor's copy picked up (widget state, notes
+    in cell metadata, pasted images) could hold a solution.
+
     Args:
         nb: the instructor notebook (nbformat v4).
         name: what the instructor notebook is called, written into the
@@ -246,11 +258,17 @@ def release_notebook(nb: Any, name: str) -> Any:
     for k, cell in enumerate(student.cells):
         if not cell.get("id"):
             cell["id"] = f"cell-{k}"  # deterministic where nbformat would invent one
-        cell.metadata.pop(METADATA_KEY, None)
+        for key in [key for key in cell.metadata if key not in CELL_METADATA_KEPT]:
+            del cell.metadata[key]  # the grading ids (METADATA_KEY) are written again below
+        if "attachments" in cell:
+            shown = set(_ATTACHMENT.findall(cell.get("source", "")))
+            kept = {n: a for n, a in cell.attachments.items() if n in shown}
+            if kept:
+                cell.attachments = kept
+            else:
+                del cell["attachments"]
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
-            for volatile in ("execution", "papermill", "ExecuteTime"):
-                cell.metadata.pop(volatile, None)
     exercise_cells = {ex.cell_index: ex for ex in exercises}
     for k, cell in enumerate(student.cells):
         if cell.cell_type != "code":
@@ -270,7 +288,8 @@ def release_notebook(nb: Any, name: str) -> Any:
         if ex.check_index is not None:
             student.cells[ex.check_index].metadata[METADATA_KEY] = {
                 "id": ex.check_id, "role": "check", "exercise": ex.id}
-    student.metadata.pop("papermill", None)
+    for key in [key for key in student.metadata if key not in NOTEBOOK_METADATA_KEPT]:
+        del student.metadata[key]
     student.metadata[METADATA_KEY] = {
         "notebook": name,
         "exercises": [ex.id for ex in exercises],
