@@ -176,3 +176,12 @@ def test_the_device_and_column_come_from_the_ledger_this_run_wrote(tmp_path):
     ledger.write_text("not json")
     assert runner._ledger_facts(results, "m/01_nb.ipynb", 0) == ("", "")
     assert runner._ledger_facts(results, "m/02_nb.ipynb", 0) == ("", "")
+
+
+@pytest.mark.parametrize("argv", [["run", "x.ipynb", "--smok"], ["run", "x.ipynb", "--time", "5"],
+                                  ["grade", "x", "--hide"], ["report", "x", "--no-plot"]])
+def test_a_mistyped_flag_is_refused_not_taken_for_another(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.build_parser().parse_args(argv)
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments" in capsys.readouterr().err

@@ -106,15 +106,17 @@ def _cmd_grade(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m utils",
+    parser = argparse.ArgumentParser(prog="python -m utils", allow_abbrev=False,
                                      description="PyTorch Optimization Track tools.")
     sub = parser.add_subparsers(dest="command", required=True)
+    # No abbreviated options (allow_abbrev=False on every parser): in a batch script a
+    # mistyped flag (`--smok`) must fail, not be taken for another one.
 
-    p = sub.add_parser("env", help="print the device and software this machine offers")
+    p = sub.add_parser("env", allow_abbrev=False, help="print the device and software this machine offers")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: best available)")
     p.set_defaults(func=_cmd_env)
 
-    p = sub.add_parser("run", help="execute notebooks or whole modules headless (papermill)")
+    p = sub.add_parser("run", allow_abbrev=False, help="execute notebooks or whole modules headless (papermill)")
     p.add_argument("paths", nargs="+", help="notebooks (.ipynb) and/or module folders")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--smoke", action="store_true", help="force smoke size (about a minute on a CPU)")
@@ -139,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "measurement (the ledgers say so)")
     p.set_defaults(func=_cmd_run)
 
-    p = sub.add_parser("report", help="results JSON -> markdown table and plots")
+    p = sub.add_parser("report", allow_abbrev=False, help="results JSON -> markdown table and plots")
     p.add_argument("paths", nargs="+", help="ledger JSON files or folders holding them")
     p.add_argument("--out", default=None, help="markdown file to write (default: beside the results)")
     p.add_argument("--no-plots", action="store_true", help="tables only")
@@ -153,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, kwargs in (("release", {"help": "write student versions (solutions replaced by "
                                               "stubs, cells given ids); old name: student"}),
                          ("student", {"description": "The old name of `release`."})):
-        p = sub.add_parser(name, **kwargs)
+        p = sub.add_parser(name, allow_abbrev=False, **kwargs)
         p.add_argument("paths", nargs="*",
                        help="notebooks and/or module folders (default: every course notebook)")
         p.add_argument("--out", default="student",
@@ -164,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .course.grading import DEFAULT_CELL_TIMEOUT_S as GRADE_CELL_S, DEFAULT_NOTEBOOK_TIMEOUT_S
 
-    p = sub.add_parser("grade", help="grade submissions per exercise with nbval (runs students' code!)",
+    p = sub.add_parser("grade", allow_abbrev=False, help="grade submissions per exercise with nbval (runs students' code!)",
                        epilog=f"exit codes: 0: every file was graded, whatever the grades; 2: a bad "
                               f"argument or path; {GRADE_NOT_GRADED_EXIT}: some exercises could not "
                               "be graded because an instructor's cell before them failed (a "
