@@ -182,6 +182,8 @@ def test_the_device_and_column_come_from_the_ledger_this_run_wrote(tmp_path):
                                   ["grade", "x", "--hide"], ["report", "x", "--no-plot"]])
 def test_a_mistyped_flag_is_refused_not_taken_for_another(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        cli.build_parser().parse_args(argv)
+        cli.main(argv)
     assert exit_info.value.code == 2
-    assert "unrecognized arguments" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "unrecognized arguments" in err
+    assert err.startswith(f"usage: python -m utils {argv[0]} "), err  # the command's usage

@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("env", allow_abbrev=False, help="print the device and software this machine offers")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: best available)")
-    p.set_defaults(func=_cmd_env)
+    p.set_defaults(func=_cmd_env, parser=p)
 
     p = sub.add_parser("run", allow_abbrev=False, help="execute notebooks or whole modules headless (papermill)")
     p.add_argument("paths", nargs="+", help="notebooks (.ipynb) and/or module folders")
@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="notebooks run at once, each in its own kernel (default 1). With N > 1 "
                         "they share the machine: a quick pass over the code paths, not a "
                         "measurement (the ledgers say so)")
-    p.set_defaults(func=_cmd_run)
+    p.set_defaults(func=_cmd_run, parser=p)
 
     p = sub.add_parser("report", allow_abbrev=False, help="results JSON -> markdown table and plots")
     p.add_argument("paths", nargs="+", help="ledger JSON files or folders holding them")
@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--figures", default=None, metavar="DIR",
                    help="folder for the plots (default: beside the markdown file); the plots are "
                         "then named by notebook, device and date")
-    p.set_defaults(func=_cmd_report)
+    p.set_defaults(func=_cmd_report, parser=p)
 
     # `student` is the old name of `release`: a parser of its own (argparse's alias would show
     # `release` in its usage line), with no line in the list of commands.
@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="folder for the student notebooks (default: student)")
         p.add_argument("--course", default=None, metavar="DIR",
                        help="folder holding the instructor modules (default: this repository)")
-        p.set_defaults(func=_cmd_release)
+        p.set_defaults(func=_cmd_release, parser=p)
 
     from .course.grading import DEFAULT_CELL_TIMEOUT_S as GRADE_CELL_S, DEFAULT_NOTEBOOK_TIMEOUT_S
 
@@ -194,12 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "the memory limit (default with GPUs: one notebook per GPU at a time)")
     p.add_argument("--course", default=None, metavar="DIR",
                    help="folder holding the instructor modules (default: this repository)")
-    p.set_defaults(func=_cmd_grade)
+    p.set_defaults(func=_cmd_grade, parser=p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:  # the command's own usage line, not the list of commands
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
     except (FileNotFoundError, ValueError, TypeError) as exc:
