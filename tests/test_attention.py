@@ -35,6 +35,10 @@ def test_cuda_only_backends_say_why_on_cpu():
     st = utils.sdpa_backend_status(q, q, q, backends=["EFFICIENT_ATTENTION"])
     assert not st["EFFICIENT_ATTENTION"].available
     assert "cpu" in st["EFFICIENT_ATTENTION"].reason and "cannot run" in str(st["EFFICIENT_ATTENTION"])
+    # not PyTorch's "turning off both the math kernel and the fused kernels", which reads as a
+    # misconfiguration
+    assert st["EFFICIENT_ATTENTION"].reason.startswith("a CUDA-only backend"), st
+    assert "turning off" not in st["EFFICIENT_ATTENTION"].reason
 
 
 def test_bad_arguments():

@@ -50,6 +50,10 @@ def sdpa_backends() -> dict[str, Any]:
     return {name: member for name, member in members.items() if name not in _NOT_KERNELS}
 
 
+#: SDPA backends with kernels on CUDA only (FLASH_ATTENTION and MATH also run on a CPU).
+_CUDA_ONLY = frozenset({"EFFICIENT_ATTENTION", "CUDNN_ATTENTION"})
+
+
 def _reason(exc: BaseException, caught: list[warnings.WarningMessage], name: str,
             device: torch.device) -> str:
     """PyTorch explains a refused backend in UserWarnings (on CUDA, once per process for
@@ -61,6 +65,10 @@ def _reason(exc: BaseException, caught: list[warnings.WarningMessage], name: str
             lines.append(text)
     if lines:
         return "; ".join(lines)
+    if device.type == "cpu" and name in _CUDA_ONLY:
+        # PyTorch's own message ("... turning off both the math kernel and the fused kernels")
+        # reads as if something were misconfigured: on a CPU there is simply no such kernel
+        return f"a CUDA-only backend: no {name} kernel exists for cpu"
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     return (f"no {name} kernel accepted this call on {device.type} in this build "
             f"(PyTorch says: {first})")
