@@ -63,6 +63,58 @@ def test_op_counter_sees_autocast_casts_and_host_syncs():
         utils.count_aten_ops(3)
 
 
+def test_host_read_counter_counts_the_reads_the_aten_ops_miss():
+    x = torch.randn(4, 3)
+    p = torch.nn.Parameter(torch.randn(2))
+    originals = {n: torch.Tensor.__dict__.get(n) for n in amp.HOST_READ_METHODS}
+    with amp.HostReadCounter() as reads:
+        x.sum().item()
+        x.tolist()
+        x.cpu().numpy()                      # two calls: .cpu() and .numpy()
+        bool(x.sum() > 0)
+        float(x.sum()), int(x[0, 0] > 0)
+        x.to("cpu"), x.to(device=torch.device("cpu")), p.tolist()
+        x.to(torch.float16), x.to(torch.float64, copy=True)   # dtype changes only: not reads
+        stacked = torch.stack([t.sum() for t in x])           # stays a tensor: not a read
+    assert dict(reads.calls) == {"item": 1, "tolist": 2, "cpu": 1, "numpy": 1, "__bool__": 1,
+                                 "__float__": 1, "__int__": 1, "to": 2}, reads.calls
+    assert reads.total == 10 and str(reads).startswith("10 host read(s): __bool__ 1")
+    assert stacked.shape == (4,) and x.sum().item() == pytest.approx(float(x.sum()))
+    assert {n: torch.Tensor.__dict__.get(n) for n in amp.HOST_READ_METHODS} == originals
+    # the aten-level count sees only two of those reads' kind: .item() and bool()
+    _, ops = utils.count_aten_ops(lambda: (x.sum().tolist(), x.cpu().numpy()))
+    assert ops.host_syncs == 0
+
+
+def test_host_read_counter_restores_the_methods_on_error_and_refuses_reentry():
+    originals = {n: torch.Tensor.__dict__.get(n) for n in amp.HOST_READ_METHODS}
+    counter = amp.HostReadCounter()
+    with pytest.raises(KeyError):
+        with counter:
+            torch.ones(2).tolist()
+            raise KeyError("inside")
+    assert counter.total == 1
+    assert {n: torch.Tensor.__dict__.get(n) for n in amp.HOST_READ_METHODS} == originals
+    assert torch.ones(1).item() == 1.0 and bool(torch.ones(1))
+    with counter:
+        with pytest.raises(RuntimeError, match="already counting"):
+            counter.__enter__()
+    assert {n: torch.Tensor.__dict__.get(n) for n in amp.HOST_READ_METHODS} == originals
+
+
+def test_time_breakdown_diff_lines_says_when_nothing_got_faster():
+    a = amp.TimeBreakdown("cpu", "CPU op time", (("matmul / conv", 3.16), ("optimizer", 0.44),
+                                                 ("other", 2.01)), calls=3)
+    b = amp.TimeBreakdown("cpu", "CPU op time", (("matmul / conv", 3.95), ("optimizer", 0.44),
+                                                 ("other", 6.96)), calls=3)
+    text = a.diff_lines(b)
+    assert "nothing got faster; the largest addition: other (+4.95 ms)" in text
+    assert "largest saving" not in text and "total 5.61 -> 11.35 ms" in text
+    back = b.diff_lines(a)
+    assert "the largest saving: other; nothing got slower" in back
+    assert "nothing got faster; nothing got slower" in a.diff_lines(a)
+
+
 def _quantize(x):
     scale = (x.abs().amax().float() / torch.finfo(torch.float8_e4m3fn).max).reshape(())
     return (x / scale).to(torch.float8_e4m3fn), scale

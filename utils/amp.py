@@ -9,6 +9,9 @@ Each of these was written more than once in the notebooks before it moved here:
 - :class:`AtenOpCounter` / :func:`count_aten_ops`: the aten ops a call runs, by op and
   output dtype, seen from below autocast (so the casts it inserts are counted), and
   the host synchronisations (``.item()``, ``bool(tensor)``) among them.
+- :class:`HostReadCounter`: the Python calls that hand a tensor's values to the host
+  (``.item()``, ``.tolist()``, ``.numpy()``, ``.cpu()``, ``bool()``, ...), which the aten ops
+  do not all show.
 - :func:`round_to_tf32` and :func:`fp8_quantize`: fp32 values rounded to TF32's 10 mantissa
   bits (what sm80+ tensor cores do to a matmul's inputs under ``"tf32"``), and a tensor
   stored as fp8 with a per-tensor scale (notebooks 1 and 5 of module 02).
@@ -45,6 +48,8 @@ __all__ = [
     "AtenOpCounter",
     "count_aten_ops",
     "HOST_SYNC_OPS",
+    "HOST_READ_METHODS",
+    "HostReadCounter",
     "round_to_tf32",
     "fp8_quantize",
     "fp8_matmul_api",
@@ -208,6 +213,87 @@ def count_aten_ops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[A
     with AtenOpCounter() as counter:
         result = fn(*args, **kwargs)
     return result, counter
+
+
+#: The ``torch.Tensor`` methods that hand a tensor's values to Python: on a GPU, each one
+#: copies from the device and waits for it. ``to`` counts only when it moves to the CPU.
+HOST_READ_METHODS = ("item", "tolist", "numpy", "cpu", "to", "__bool__", "__float__",
+                     "__int__", "__index__")
+_ABSENT = object()
+
+
+def _moves_to_cpu(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    """Whether ``Tensor.to(*args, **kwargs)`` names the CPU as its device."""
+    device = kwargs.get("device")
+    if device is None and args and isinstance(args[0], (str, torch.device, int)) \
+            and not isinstance(args[0], bool):
+        device = args[0]
+    if device is None or isinstance(device, int):
+        return False  # a bare int is a CUDA index; no device: a dtype change only
+    try:
+        return torch.device(device).type == "cpu"
+    except (RuntimeError, TypeError):
+        return False
+
+
+class HostReadCounter:
+    """Count the Python calls that hand a tensor's values to the host, by method name.
+
+    :attr:`AtenOpCounter.host_syncs` sees ``.item()`` and ``bool(t)`` (the aten op
+    ``_local_scalar_dense``), but ``.tolist()``, ``.numpy()`` and ``.cpu()`` read a tensor
+    without that op: a loop that called ``.tolist()`` on every module's output would show no
+    host synchronisation at all. This counter replaces the methods of
+    :data:`HOST_READ_METHODS` on ``torch.Tensor`` for the ``with`` block (and restores them
+    when it ends, also on an error), so it counts each such call made from Python on every
+    device, where a CPU has no device-to-host copy to see. ``.to(...)`` counts only when it
+    names the CPU. Not counted: reads from C++ (a ``copy_`` into a CPU tensor, printing a
+    tensor).
+
+    Example::
+
+        with utils.amp.HostReadCounter() as reads:
+            find_nonfinite_fast(model, x)
+        assert reads.total <= 1, reads
+    """
+
+    def __init__(self) -> None:
+        self.calls: collections.Counter[str] = collections.Counter()
+        self._saved: dict[str, Any] = {}
+
+    def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if name != "to" or _moves_to_cpu(args, kwargs):
+                self.calls[name] += 1
+            return original(tensor, *args, **kwargs)
+
+        counted.__name__ = counted.__qualname__ = name
+        counted.__doc__ = getattr(original, "__doc__", None)
+        return counted
+
+    def __enter__(self) -> "HostReadCounter":
+        if self._saved:
+            raise RuntimeError("this HostReadCounter is already counting")
+        for name in HOST_READ_METHODS:
+            self._saved[name] = torch.Tensor.__dict__.get(name, _ABSENT)
+            setattr(torch.Tensor, name, self._wrap(name, getattr(torch.Tensor, name)))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, previous in self._saved.items():
+            if previous is _ABSENT:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, previous)
+        self._saved = {}
+
+    @property
+    def total(self) -> int:
+        """All counted calls together."""
+        return sum(self.calls.values())
+
+    def __str__(self) -> str:
+        listed = ", ".join(f"{name} {n}" for name, n in sorted(self.calls.items()))
+        return f"{self.total} host read(s)" + (f": {listed}" if listed else "")
 
 
 def round_to_tf32(x: torch.Tensor) -> torch.Tensor:
@@ -581,14 +667,19 @@ class TimeBreakdown:
                             key=lambda row: row[2] - row[1]))
 
     def diff_lines(self, other: "TimeBreakdown", indent: str = "   ") -> str:
-        """Two printable lines: each category's ms here -> in ``other`` (largest saving first),
-        then the largest saving and the largest addition."""
+        """Two printable lines: each category's ms here -> in ``other`` (largest saving first)
+        and the totals, then the largest saving and the largest addition. A category counts as
+        a saving only if its time fell, and as an addition only if it rose: when none fell the
+        line says that nothing got faster (and, when none rose, that nothing got slower)."""
         rows = self.diff(other)
-        (save, *_), (add, a0, a1) = rows[0], rows[-1]
+        (save, s0, s1), (add, a0, a1) = rows[0], rows[-1]
+        saving = f"the largest saving: {save}" if s1 < s0 else "nothing got faster"
+        addition = (f"the largest addition: {add} ({a1 - a0:+.2f} ms)" if a1 > a0
+                    else "nothing got slower")
         return (f"{indent}breakdown, {self.clock}: "
                 + "; ".join(f"{c} {m0:.2f} -> {m1:.2f} ms" for c, m0, m1 in rows)
-                + f"\n{indent}the largest saving: {save}; the largest addition: {add} "
-                  f"({a1 - a0:+.2f} ms)")
+                + f"; total {self.total_ms:.2f} -> {other.total_ms:.2f} ms"
+                + f"\n{indent}{saving}; {addition}")
 
     def __str__(self) -> str:
         rows = [f"{name:<18} {ms:>10.3f} ms  {self.share(name):>6.1%}"
