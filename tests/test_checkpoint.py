@@ -244,3 +244,51 @@ def test_a_disabled_scaler_state_into_an_enabled_scaler_is_a_clear_error(tmp_pat
     with pytest.raises(CheckpointError, match="GradScaler state does not fit"):
         load_training_state(tmp_path / "s.pt", model=model,
                             scaler=torch.amp.GradScaler("cpu", enabled=True))
+
+
+# -- record_loads ------------------------------------------------------------------------------
+
+def _tied_gpt_and_file(tmp_path):
+    import utils
+
+    cfg = utils.GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    torch.manual_seed(0)
+    path = atomic_save(utils.TinyGPT(cfg).state_dict(), tmp_path / "gpt.pt")
+    return utils.TinyGPT, cfg, path
+
+
+def test_record_loads_tells_one_copy_from_two(tmp_path):
+    from utils.checkpoint import record_loads
+
+    gpt, cfg, path = _tied_gpt_and_file(tmp_path)
+    with record_loads() as one:  # the meta device, mmap=True, assign=True
+        with torch.device("meta"):
+            model = gpt(cfg)
+        model.load_state_dict(torch.load(path, mmap=True, weights_only=True), assign=True)
+    assert one.mmap and one.assign_into_meta
+    assert one.torch_load == [{"mmap": True, "weights_only": True}]
+    assert one.load_state_dict == [{"strict": True, "assign": True, "into_meta": True}]
+    assert not any(p.is_meta for p in model.parameters()), "the calls still ran"
+
+    with record_loads() as two:  # the plain recipe: an initialised model, a copy into it
+        gpt(cfg).load_state_dict(torch.load(path))
+    assert not two.mmap and not two.assign_into_meta
+    with record_loads() as copied:  # mmap=True, but copied into an allocated model
+        gpt(cfg).load_state_dict(torch.load(path, mmap=True), False, True)  # positional assign
+    assert copied.mmap and not copied.assign_into_meta
+    assert copied.load_state_dict[0]["assign"] and not copied.load_state_dict[0]["into_meta"]
+    with record_loads() as nothing:
+        pass
+    assert not nothing.mmap and not nothing.assign_into_meta, "no call is no evidence"
+
+
+def test_record_loads_sees_torch_load_under_its_other_name_and_through_safe_load(tmp_path):
+    from utils.checkpoint import record_loads
+
+    _, _, path = _tied_gpt_and_file(tmp_path)
+    with record_loads() as calls:
+        torch.serialization.load(path, mmap=True)
+        safe_load(path, mmap=True)
+    assert len(calls.torch_load) == 2 and calls.mmap
+    assert torch.load is torch.serialization.load, "both names are put back"
+    assert torch.nn.Module.load_state_dict.__qualname__ == "Module.load_state_dict"

@@ -198,7 +198,7 @@ RUN_ON_DEVICE = {
     "ladder.fp8_mlp_sweep", "ladder.attention_inputs", "ladder.gpt_ladder_predictor",
     "ladder.matmul_arithmetic", "ladder.record_ceilings", "ladder.same_model_table",
     "ladder.speedup_report", "ladder.worst_first_loss_by_arithmetic",
-    "memtools.record_memory", "profiling.profile_calls", "timing.cold_l2_benchmark",
+    "memtools.record_memory", "memtools.saved_tensor_hook_faults", "profiling.profile_calls", "timing.cold_l2_benchmark",
     "timing.first_call", "timing.per_call_ms", "timing.BackgroundLoad", "loaders.time_loader",
     "training.lm_batch", "training.image_batch", "training.first_call_s",
     "attention.sdpa_backend_used", "attention.random_qkv", "cli.native_bf16",

@@ -15,7 +15,9 @@ from utils.memtools import (
     MemoryTimeline,
     OutOfMemoryError,
     SavedTensorCompression,
+    batch_finder_faults,
     find_max_batch,
+    saved_tensor_hook_faults,
     host_memory,
     plot_memory_timeline,
     record_memory,
@@ -231,6 +233,21 @@ def test_find_max_batch_is_exact_and_leaves_memory_clean():
     assert "largest batch that fits: 100" in str(res)
 
 
+def test_find_max_batch_collects_earlier_garbage_before_it_starts():
+    """A tensor in a reference cycle, left by earlier work: freed before the search, not inside
+    it, where the CPU count (which counts frees of older tensors) would go below zero."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        junk = [torch.ones(MIB)]  # 4 MiB
+        junk.append(junk)
+        del junk
+        res = find_max_batch(_rows, budget_bytes=2 * 100 * 4096, device="cpu")
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert res.max_batch == 100 and res.allocated_after_bytes == 0, res
+
 def test_find_max_batch_with_tolerance_and_cap():
     res = find_max_batch(_rows, budget_bytes=2 * 1000 * 4096, device="cpu", rel_tol=0.1)
     assert res.max_batch <= 1000 < res.first_failing and res.gap <= 1.1
@@ -378,6 +395,203 @@ def test_compression_arguments():
     with pytest.raises(ValueError, match="min_numel"):
         SavedTensorCompression("bf16", min_numel=-1)
 
+
+
+def test_compression_is_freed_without_the_garbage_collector():
+    """No reference cycle through the hooks: the object (and what it holds) goes when the last
+    name and the graph let go of it, not at the next collection, and it can be entered again."""
+    import weakref
+
+    torch.manual_seed(0)
+    model = utils.MLP(in_features=64, hidden=256, out_features=8, depth=2)
+    x = torch.randn(32, 64)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        comp = SavedTensorCompression("int8", keep=model.parameters())
+        with comp:
+            loss = model(x).pow(2).mean()
+        ref = weakref.ref(comp)
+        del comp
+        assert ref() is not None, "the graph's saved tensors hold the unpack hook until backward"
+        loss.backward()
+        del loss
+        assert ref() is None, "a reference cycle keeps the hooks alive until gc.collect()"
+    finally:
+        if was_enabled:
+            gc.enable()
+    comp = SavedTensorCompression("bf16", keep=model.parameters())
+    counts = []
+    for _ in range(2):
+        with comp:
+            model(x).pow(2).mean().backward()
+        counts.append(comp.compressed_tensors)
+    assert counts[0] > 0 and counts[1] == 2 * counts[0], counts  # the second pass packed too
+
+
+
+# -- saved_tensor_hook_faults ------------------------------------------------------------------
+
+def _fp8_hooks(keep, min_numel, *, scale=True, dtype=torch.float8_e4m3fn, fmax=448.0):
+    """04/03's Exercise 1 in the shape of its solution, with switches for its wrong answers."""
+    kept = {p.untyped_storage().data_ptr() for p in keep}
+
+    def pack(t):
+        if not t.is_floating_point() or t.numel() < min_numel or \
+                t.untyped_storage().data_ptr() in kept:
+            return ("raw", t)
+        s = t.detach().abs().amax().float().clamp_min(1e-30) / fmax if scale else 1.0
+        return ("fp8", (t.detach() / s).to(dtype), s, t.dtype)
+
+    def unpack(packed):
+        return packed[1] if packed[0] == "raw" else (packed[1].float() * packed[2]).to(packed[3])
+
+    return pack, unpack
+
+
+def test_saved_tensor_hook_faults_passes_right_hooks():
+    model = utils.MLP(in_features=64, hidden=256, out_features=8, depth=2)
+    params = list(model.parameters())
+    assert saved_tensor_hook_faults(lambda t: t, lambda t: t, keep=params, max_rel_error=1e-9,
+                                    device="cpu") == []
+    comp = SavedTensorCompression("bf16", keep=params, min_numel=2048)
+    assert saved_tensor_hook_faults(comp._pack, comp._unpack, keep=params, min_numel=2048,
+                                    max_rel_error=2**-8, device="cpu") == []
+    pack, unpack = _fp8_hooks(params, 4096)
+    assert saved_tensor_hook_faults(pack, unpack, keep=params, min_numel=4096,
+                                    max_rel_error=2**-4, device="cpu") == []
+
+
+@pytest.mark.parametrize("wrong, words", [
+    ({"scale": False}, "relative error of 1,"),                      # e4m3 alone underflows
+    ({"dtype": torch.float8_e5m2, "fmax": 57344.0}, "relative error"),  # 2 significant bits
+    ({"min_numel": 1024}, "a float tensor of 4095 elements"),        # statistics not exact
+    ({"keep": ()}, "tensors to keep"),                               # parameters packed too
+])
+def test_saved_tensor_hook_faults_names_each_wrong_fp8_answer(wrong, words):
+    params = list(utils.MLP(in_features=64, hidden=256, out_features=8, depth=2).parameters())
+    kw = {"keep": params, "min_numel": 4096} | wrong
+    pack, unpack = _fp8_hooks(kw.pop("keep"), kw.pop("min_numel"), **kw)
+    faults = saved_tensor_hook_faults(pack, unpack, keep=params, min_numel=4096,
+                                      max_rel_error=2**-4, device="cpu")
+    assert len(faults) == 1 and words in faults[0], faults
+
+
+def test_saved_tensor_hook_faults_sees_copies_and_a_wrong_dtype():
+    w = torch.randn(300, 200, requires_grad=True)
+    faults = saved_tensor_hook_faults(lambda t: t.clone(), lambda t: t, keep=[w], min_numel=64,
+                                      max_rel_error=0.1, device="cpu")
+    assert [f.split(" came back")[0] for f in faults] == [
+        "2 of 2 tensors to keep (and the transposes a Linear saves of its weight)",
+        "a tensor of integers", "a float tensor of 63 elements (fewer than min_numel)"]
+    faults = saved_tensor_hook_faults(lambda t: t.to(torch.bfloat16), lambda t: t,
+                                      max_rel_error=0.1, device="cpu")
+    assert len(faults) == 3 and "came back as torch.bfloat16" in faults[-1], faults
+    pack, unpack = _fp8_hooks((), 1, scale=False)
+    assert "relative error of 1," in saved_tensor_hook_faults(
+        pack, unpack, min_numel=0, max_rel_error=0.1, device="cpu")[0]
+
+
+def test_saved_tensor_hook_faults_arguments():
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="min_numel"):
+            saved_tensor_hook_faults(id, id, min_numel=bad, max_rel_error=0.1)
+    for bad in (0, -0.1, float("nan"), True):
+        with pytest.raises(ValueError, match="max_rel_error"):
+            saved_tensor_hook_faults(id, id, max_rel_error=bad)
+    with pytest.raises(ValueError, match="amax"):
+        saved_tensor_hook_faults(id, id, max_rel_error=0.1, amax=0)
+
+# -- batch_finder_faults -----------------------------------------------------------------------
+
+def _bisecting_finder(step, cleanup, *, catch=(OutOfMemoryError,), needs_text=False,
+                      cleanup_in_handler=False, bisect=True):
+    """A finder in the shape of 04/04's Exercise 2, with one switch per fault."""
+    def ok(batch):
+        failed = False
+        try:
+            step(batch)
+        except catch as exc:
+            if needs_text and "out of memory" not in str(exc):
+                raise
+            if cleanup_in_handler:
+                cleanup()
+                return False
+            failed = True
+        cleanup()
+        return not failed
+
+    lo, hi = 1, None
+    assert ok(lo)
+    while hi is None:
+        if ok(2 * lo):
+            lo *= 2
+        else:
+            hi = 2 * lo
+    while bisect and hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def test_batch_finder_faults_passes_a_careful_finder():
+    assert batch_finder_faults(_bisecting_finder) == []
+    assert batch_finder_faults(lambda s, c: _bisecting_finder(s, c), fits_up_to=12) == []
+
+
+def _folklore(step, cleanup):
+    batch = 1
+    while True:
+        try:
+            step(batch)
+        except RuntimeError as e:
+            if "out of memory" in str(e):
+                return batch // 2
+            raise
+        batch *= 2
+
+
+@pytest.mark.parametrize("finder, expected", [
+    (lambda s, c: _bisecting_finder(s, c, catch=(RuntimeError,)), ["swallowed a RuntimeError"]),
+    (lambda s, c: _bisecting_finder(s, c, catch=(RuntimeError,), needs_text=True),
+     ["escaped the finder", "swallowed a RuntimeError"]),
+    (lambda s, c: _bisecting_finder(s, c, bisect=False), ["it returned 4"]),
+    (lambda s, c: _bisecting_finder(s, c, cleanup_in_handler=True), ["still alive"]),
+    (lambda s, c: _bisecting_finder(s, lambda: None), ["did not run after every try"]),
+    (_folklore, ["escaped the finder", "did not run after every try",
+                 "swallowed a RuntimeError"]),
+])
+def test_batch_finder_faults_names_each_fault(finder, expected):
+    faults = batch_finder_faults(finder)
+    assert len(faults) == len(expected), faults
+    for fault, words in zip(faults, expected):
+        assert words in fault, (words, fault)
+
+
+def test_batch_finder_faults_sees_an_exception_kept_for_the_log():
+    kept = []
+
+    def keeping(step, cleanup):
+        def logged(batch):
+            try:
+                step(batch)
+            except OutOfMemoryError as exc:
+                kept.append(exc)
+                raise
+        return _bisecting_finder(logged, cleanup)
+
+    assert any("still alive" in f for f in batch_finder_faults(keeping))
+
+
+def test_batch_finder_faults_arguments():
+    with pytest.raises(TypeError, match="callable"):
+        batch_finder_faults(5)
+    for bad in (1, 0, 2.5, True, "5"):
+        with pytest.raises(ValueError, match="fits_up_to"):
+            batch_finder_faults(_bisecting_finder, fits_up_to=bad)
 
 # -- host memory -----------------------------------------------------------------------------
 

@@ -14,10 +14,16 @@ the random-number generators' states) and check, on loading, that the file is
 one of theirs and has every part the caller asks for. A save killed mid-write
 leaves a hidden temporary beside the checkpoint; :func:`stale_temporaries`
 finds them and :func:`remove_stale_temporaries` cleans them up.
+
+:func:`record_loads` records how a block of code calls ``torch.load`` and
+``load_state_dict``, so that a check can tell a load that holds one copy of the
+weights (``mmap=True``, a model on the meta device, ``assign=True``) from one
+that holds two, without measuring memory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import re
@@ -25,7 +31,8 @@ import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+from unittest import mock
 
 import torch
 
@@ -40,6 +47,8 @@ __all__ = [
     "remove_stale_temporaries",
     "state_to_cpu",
     "state_max_abs_diff",
+    "LoadCalls",
+    "record_loads",
 ]
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -398,3 +407,64 @@ def state_max_abs_diff(state: Any, reference: Any) -> float:
     pairs = _tensor_pairs(state, reference, "")
     return max(((a.double() - b.double()).abs().max().item() for a, b in pairs if a.numel()),
                default=0.0)
+
+
+@dataclass
+class LoadCalls:
+    """How the code inside :func:`record_loads` loaded weights, one entry per call in order.
+
+    ``torch_load`` holds the keyword arguments of each ``torch.load`` call; ``load_state_dict``
+    holds, for each ``Module.load_state_dict`` call, its ``strict`` and ``assign`` arguments and
+    ``into_meta``: whether every parameter and buffer of the module was on the meta device
+    when it was called (a model built without memory, which ``assign=True`` fills with the
+    loaded tensors themselves).
+    """
+
+    torch_load: list[dict[str, Any]] = field(default_factory=list)
+    load_state_dict: list[dict[str, bool]] = field(default_factory=list)
+
+    @property
+    def mmap(self) -> bool:
+        """``torch.load`` was called, every time with ``mmap=True``."""
+        return bool(self.torch_load) and all(k.get("mmap") is True for k in self.torch_load)
+
+    @property
+    def assign_into_meta(self) -> bool:
+        """``load_state_dict`` was called, every time with ``assign=True`` on a module whose
+        tensors were all on the meta device: the loaded tensors became the parameters, and no
+        second copy of the weights was allocated for them."""
+        return bool(self.load_state_dict) and all(c["assign"] and c["into_meta"]
+                                                  for c in self.load_state_dict)
+
+
+@contextlib.contextmanager
+def record_loads() -> Iterator[LoadCalls]:
+    """Record how ``torch.load`` and ``torch.nn.Module.load_state_dict`` are called inside the
+    block (both still run as usual); yields a :class:`LoadCalls` filled as they are called.
+
+    ``with record_loads() as calls: model = load(path)`` then ``calls.mmap`` and
+    ``calls.assign_into_meta`` say whether ``load`` read the file with ``mmap=True`` and put
+    the loaded tensors into a meta-device model with ``assign=True``. ``torch.load`` is
+    recorded under both of its names (``torch.load`` and ``torch.serialization.load``), so a
+    helper that calls it, such as :func:`safe_load`, is recorded too.
+    """
+    calls = LoadCalls()
+    real_load = torch.serialization.load
+    real_load_state_dict = torch.nn.Module.load_state_dict
+
+    def load(*args: Any, **kwargs: Any) -> Any:
+        calls.torch_load.append(dict(kwargs))
+        return real_load(*args, **kwargs)
+
+    def load_state_dict(module: torch.nn.Module, state_dict: Any, strict: bool = True,
+                        assign: bool = False) -> Any:
+        tensors = [*module.parameters(), *module.buffers()]
+        calls.load_state_dict.append({"strict": bool(strict), "assign": bool(assign),
+                                      "into_meta": bool(tensors) and all(t.is_meta
+                                                                         for t in tensors)})
+        return real_load_state_dict(module, state_dict, strict=strict, assign=assign)
+
+    with mock.patch.object(torch, "load", load), \
+            mock.patch.object(torch.serialization, "load", load), \
+            mock.patch.object(torch.nn.Module, "load_state_dict", load_state_dict):
+        yield calls

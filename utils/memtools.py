@@ -17,9 +17,13 @@
   until a trial raises ``torch.OutOfMemoryError``, then bisects, and leaves
   the allocator as it found it (gradients freed, no exception kept alive,
   cached blocks returned).
+- :func:`batch_finder_faults` runs a batch-size finder of one's own on steps that fail on
+  purpose and lists what it gets wrong (a message read instead of the error's class, no
+  bisection, no cleanup, a live exception during the cleanup).
 - :class:`SavedTensorCompression` keeps the tensors autograd saves for
   backward in bf16 or int8 (``torch.autograd.graph.saved_tensors_hooks``)
-  and counts the bytes before and after.
+  and counts the bytes before and after; :func:`saved_tensor_hook_faults` runs a pair of
+  hooks of one's own on probe tensors and lists what they get wrong.
 - :func:`optimizer_state_bytes` counts an optimizer's state from its tensors (a quantized state's
   codes, scales and maps too), on one device or all, torchao's offloading optimizer included.
 - :func:`host_memory` reads this process's resident and peak resident memory
@@ -68,8 +72,10 @@ __all__ = [
     "BatchTrial",
     "BatchSearch",
     "find_max_batch",
+    "batch_finder_faults",
     "memory_budget",
     "SavedTensorCompression",
+    "saved_tensor_hook_faults",
     "optimizer_state_bytes",
     "HostMemory",
     "host_memory",
@@ -485,7 +491,9 @@ def find_max_batch(trial: Callable[[int], Any], *, start: int = 1, max_batch: in
     caught; any other error propagates. After every trial the exception is
     dropped (its traceback holds the trial's tensors), ``cleanup`` runs (free
     the gradients there), and after an out-of-memory the garbage collector
-    runs and, on CUDA, cached blocks go back to the driver.
+    runs and, on CUDA, cached blocks go back to the driver. The garbage
+    collector also runs before the first trial, so that garbage left by
+    earlier work is not freed inside the search, where it would be counted.
 
     Args:
         trial: runs the work at one batch size (e.g. one training step); its
@@ -533,6 +541,7 @@ def find_max_batch(trial: Callable[[int], Any], *, start: int = 1, max_batch: in
         if budget_bytes is not None:
             old_fraction = _limit_cuda_memory(dev, res0, budget_bytes)
     else:
+        gc.collect()  # as on CUDA: garbage of earlier work is not freed inside the search
         alloc0, res0 = 0, None
         recorder = TensorMemoryTracker(limit_bytes=budget_bytes, count_existing_frees=True)
 
@@ -624,6 +633,93 @@ def find_max_batch(trial: Callable[[int], Any], *, start: int = 1, max_batch: in
                        allocated_after_bytes=alloc1, reserved_before_bytes=res0,
                        reserved_after_bytes=res1, device=str(dev))
 
+
+
+class _ProbeOutOfMemory(OutOfMemoryError):
+    """The out-of-memory error of :func:`batch_finder_faults`' step: its message does not say
+    "out of memory", and it records a weak reference to itself (an exception held by a local
+    name of the frame that raised it would sit in a cycle with its own traceback)."""
+
+    def __init__(self, message: str, refs: list[weakref.ref]) -> None:
+        super().__init__(message)
+        refs.append(weakref.ref(self))
+
+
+def batch_finder_faults(finder: Callable[[Callable[[int], Any], Callable[[], Any]], int], *,
+                        fits_up_to: int = 5) -> list[str]:
+    """The faults of a batch-size finder, found by running it on steps that fail on purpose.
+
+    ``finder(step, cleanup)`` should return the largest batch for which ``step(batch)`` does
+    not raise ``torch.OutOfMemoryError``, as :func:`find_max_batch` does. Two runs, with
+    steps that allocate nothing:
+
+    1. ``step`` raises ``torch.OutOfMemoryError`` for every batch above ``fits_up_to``, with a
+       message that does not say "out of memory" (a memory budget's error need not). The
+       finder must return ``fits_up_to`` (5 by default, not a power of two: a finder that
+       only doubles returns 4), call ``cleanup()`` after every call of ``step``, and have
+       dropped the exception by then (a live exception holds the failed step's frames, and
+       they its tensors).
+    2. ``step`` raises a plain ``RuntimeError`` whose message says "out of memory" for every
+       batch above ``fits_up_to``. It is not an out-of-memory error, and must propagate.
+
+    Args:
+        finder: the finder to check, called as ``finder(step, cleanup)``.
+        fits_up_to: the largest batch the steps let through (>= 2).
+
+    Returns:
+        One sentence per fault found; an empty list when there is none.
+
+    Raises:
+        TypeError: ``finder`` is not callable.
+        ValueError: ``fits_up_to`` is not an int of at least 2.
+    """
+    if not callable(finder):
+        raise TypeError(f"finder must be callable as finder(step, cleanup), got "
+                        f"{type(finder).__name__}")
+    if isinstance(fits_up_to, bool) or not isinstance(fits_up_to, int) or fits_up_to < 2:
+        raise ValueError(f"fits_up_to must be an int of at least 2, got {fits_up_to!r}")
+    faults: list[str] = []
+    refs: list[weakref.ref] = []
+    pending = [False]  # a step ran and no cleanup() has followed it yet
+    missed, held = [False], [False]
+
+    def step(batch: int) -> None:
+        missed[0] |= pending[0]
+        pending[0] = True
+        if batch > fits_up_to:
+            raise _ProbeOutOfMemory(f"the probe's step refuses batch {batch}", refs)
+
+    def cleanup() -> None:
+        pending[0] = False
+        held[0] |= any(r() is not None for r in refs)
+
+    found: Any = None
+    try:
+        found = finder(step, cleanup)
+    except OutOfMemoryError:
+        faults.append("an OutOfMemoryError whose message does not say 'out of memory' escaped "
+                      "the finder: catch torch.OutOfMemoryError by its class, not by its message")
+    if found is not None and found != fits_up_to:
+        faults.append(f"it returned {found!r}, where batches up to {fits_up_to} fit and "
+                      f"{fits_up_to + 1} does not: after the first failure, bisect")
+    if missed[0] or (pending[0] and found is not None):  # an escaped error skips the last one
+        faults.append("cleanup() did not run after every try")
+    if held[0]:
+        faults.append("cleanup() ran while the OutOfMemoryError was still alive (its traceback "
+                      "holds the failed step's frames and their tensors): drop it first")
+
+    def other_step(batch: int) -> None:
+        if batch > fits_up_to:
+            raise RuntimeError("not an OutOfMemoryError, though this message says out of memory")
+
+    try:
+        finder(other_step, lambda: None)
+    except Exception:  # noqa: BLE001 - any error that reaches the caller is not swallowed
+        pass
+    else:
+        faults.append("it swallowed a RuntimeError that is not an OutOfMemoryError (its "
+                      "message said 'out of memory'): catch torch.OutOfMemoryError only")
+    return faults
 
 class memory_budget:
     """Run a block against a memory budget, as :func:`find_max_batch` runs its trials.
@@ -736,8 +832,17 @@ class SavedTensorCompression(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(self._pack, self._unpack)
 
     def __enter__(self) -> "SavedTensorCompression":
+        # The base class keeps the two bound methods on the object, and each holds the object:
+        # a reference cycle, which only the garbage collector frees (possibly inside a later
+        # memory measurement). They are set on entering and dropped on leaving; the graph's
+        # saved tensors hold the unpack hook, and with it the object, until backward is done.
+        self.pack_hook, self.unpack_hook = self._pack, self._unpack
         super().__enter__()
         return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self.pack_hook = self.unpack_hook = None
 
     def _compress(self, flat: torch.Tensor) -> tuple[Any, ...]:
         if self.mode == "bf16":
@@ -804,6 +909,84 @@ class SavedTensorCompression(torch.autograd.graph.saved_tensors_hooks):
         """original / packed bytes: how many times smaller the saved activations are."""
         return self.original_bytes / self.packed_bytes if self.packed_bytes else math.nan
 
+
+def saved_tensor_hook_faults(pack: Callable[[torch.Tensor], Any],
+                             unpack: Callable[[Any], torch.Tensor], *,
+                             keep: Iterable[torch.Tensor] = (), min_numel: int = 1024,
+                             max_rel_error: float, device: str | torch.device | None = None,
+                             amax: float = 1e-3) -> list[str]:
+    """What a pair of ``saved_tensors_hooks`` gets wrong, found on probe tensors, with no model.
+
+    ``unpack(pack(t))`` is called directly on:
+
+    - every tensor in ``keep`` (a model's parameters, which live anyway), and the transpose of
+      each 2-D one (a Linear saves its weight as ``weight.t()``, a view of the parameter's
+      storage), a non-floating-point tensor and a floating-point one of ``min_numel - 1``
+      elements: each must come back sharing the storage it was given (saved as it is);
+    - a floating-point tensor of ``max(min_numel, 4096)`` values drawn uniformly from
+      ``[-amax, amax]`` (``amax`` 1e-3: below the smallest value of e4m3, 2^-9, so a format
+      without a scale loses them): it must come back with its dtype and shape, and every value
+      within 1/16 of the largest magnitude within ``max_rel_error`` of itself, relative. Those
+      values stay in an 8-bit float's normal range when the tensor is scaled to the format's
+      largest value, where the relative error is at most the format's unit roundoff (2^-4 for
+      e4m3, 2^-3 for e5m2).
+
+    Args:
+        pack, unpack: the hooks, as given to ``torch.autograd.graph.saved_tensors_hooks``.
+        keep: tensors the hooks must save as they are.
+        min_numel: tensors with fewer elements must be saved as they are (0 or 1: none).
+        max_rel_error: the largest relative error allowed on the probe's large values.
+        device: where the probe tensors are made (default: :func:`utils.pick_device`).
+        amax: the probe's largest magnitude.
+
+    Returns:
+        One sentence per fault found; an empty list when there is none.
+
+    Raises:
+        ValueError: a negative ``min_numel``, or a ``max_rel_error`` or ``amax`` that is not
+            a positive number.
+    """
+    if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
+        raise ValueError(f"min_numel must be a non-negative int, got {min_numel!r}")
+    for name, v in (("max_rel_error", max_rel_error), ("amax", amax)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise ValueError(f"{name} must be a positive number, got {v!r}")
+    dev = pick_device(device)
+    gen = torch.Generator().manual_seed(0)
+
+    def kept_as_is(t: torch.Tensor) -> bool:
+        with torch.no_grad():
+            back = unpack(pack(t))
+        return (isinstance(back, torch.Tensor) and back.shape == t.shape
+                and _storage_key(back) is not None and _storage_key(back) == _storage_key(t))
+
+    keep = list(keep)
+    keep += [t.t() for t in keep if t.dim() == 2]
+    faults = []
+    copied = sum(not kept_as_is(t) for t in keep)
+    if copied:
+        faults.append(f"{copied} of {len(keep)} tensors to keep (and the transposes a Linear "
+                      "saves of its weight) came back as new tensors: save them as they are")
+    if not kept_as_is(torch.arange(max(min_numel, 2), device=dev)):
+        faults.append("a tensor of integers came back as a new tensor: save it as it is")
+    if min_numel > 1 and not kept_as_is(torch.randn(min_numel - 1, generator=gen).to(dev)):
+        faults.append(f"a float tensor of {min_numel - 1} elements (fewer than min_numel) came "
+                      "back as a new tensor: save it as it is")
+    x = ((torch.rand(max(min_numel, 4096), generator=gen) * 2 - 1) * amax).to(dev)
+    with torch.no_grad():
+        back = unpack(pack(x))
+    if not isinstance(back, torch.Tensor) or back.dtype != x.dtype or back.shape != x.shape:
+        got = (f"{back.dtype} {tuple(back.shape)}" if isinstance(back, torch.Tensor)
+               else type(back).__name__)
+        faults.append(f"a {x.dtype} tensor of shape {tuple(x.shape)} came back as {got}")
+    else:
+        large = x.abs() >= x.abs().max() / 16
+        err = ((back.double() - x.double()).abs() / x.double().abs())[large].max().item()
+        if not err <= max_rel_error:  # a NaN fails too
+            faults.append(f"values around {amax:g} came back with a relative error of "
+                          f"{err:.3g}, more than {max_rel_error:.3g}: lost to the format's "
+                          "range (no scale?) or to too few significant bits")
+    return faults
 
 # --------------------------------------------------------------------------------------
 # Host memory from the operating system
