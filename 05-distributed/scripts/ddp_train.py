@@ -48,6 +48,7 @@ import utils.profiling
 EXPERIMENTS = ("check", "bucket_view", "comm", "settings", "accum", "amp")
 CHECK_SEED, TIME_SEED = 1, 2  # seeds of the check batch and of the timed batches
 AMP_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+DEFAULT_CAP_MB = 25  # DDP's bucket_cap_mb when none is given
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -279,8 +280,8 @@ def run_bucket_view(a, cfg, w, out):
             "bucket_bytes": sum(rec.storages.values()),
             "buckets": len(rec.storages),
             "cuda_allocated_bytes": settled_allocated(w.device) - base if cuda else None,
-            # where the window started: the H200's smoke run read 3x the gradient bytes saved,
-            # not 1x; the bases say whether the second run started lower
+            # where the window started: if the saving is not 1x the gradient bytes, the bases
+            # say whether the second run started lower
             "cuda_base_bytes": base if cuda else None,
         }
         del ddp, opt, grads
@@ -388,10 +389,32 @@ def run_settings(a, cfg, w, out):
         del counted, opt, step
         ddp, opt = build_ddp(cfg, w, a.seed, **opts)
         steps[name] = (lambda m=ddp, o=opt: utils.train_step(m, o, x, y))
-    grad_bytes = sum(p.numel() * p.element_size() for p in ddp.parameters())
+    grad_tensor_mb = [p.numel() * p.element_size() / 2**20 for p in ddp.parameters()]
     times = interleaved_times(steps, a, w)
-    return {"grad_mb": grad_bytes / 2**20, "variants": list(steps), "counts": counts,
-            "times_ms": times}
+    return {"grad_mb": sum(grad_tensor_mb), "variants": list(steps), "counts": counts,
+            "times_ms": times, "grad_tensor_mb": grad_tensor_mb,
+            "cap_mb": {n: opts.get("bucket_cap_mb", DEFAULT_CAP_MB)
+                       for n, opts in ddp_variants(a).items()}}
+
+
+def bucket_count_rows(settings: dict) -> list[list]:
+    """The table of ``settings``' all-reduce counts: per setting, the calls and MiB of one
+    step, its bucket cap, the most calls that cap allows and the gradient tensors larger
+    than the cap (header first).
+
+    A bucket holds whole tensors and closes once it holds at least the cap, so every bucket
+    but the last holds at least the cap: at most ``ceil(size / cap)`` buckets, plus one for
+    DDP's smaller first bucket (1 MiB under the default cap). A tensor larger than the cap
+    closes a bucket on its own, with more than the cap in it: then there are fewer.
+    """
+    size, tensors = settings["grad_mb"], settings["grad_tensor_mb"]
+    rows = [["setting", "all-reduces/step", "MiB reduced/step", "cap MiB", "at most",
+             "tensors > cap"]]
+    for n in settings["variants"]:
+        cap, c = settings["cap_mb"][n], settings["counts"][n]
+        rows.append([n, c["allreduces"], c["bytes"] / 2**20, cap, math.ceil(size / cap) + 1,
+                     sum(t > cap for t in tensors)])
+    return rows
 
 
 def accumulate(ddp, opt, x, y, k: int, skip_sync: bool):

@@ -7,8 +7,8 @@ process). Every rank:
 
 1. trains a single-process *reference* on the whole global batch (same seed, same data),
 2. for each configuration in ``--configs`` builds the same model, wraps it, trains
-   ``--steps`` steps on its slice of the global batch, and compares losses and parameter
-   updates with the reference,
+   ``--steps`` steps on its slice of the global batch, and compares losses, the first
+   step's gradients and the parameter updates with the reference,
 3. counts the bytes of the parameters, gradients and optimizer state this rank holds
    (for a DTensor, its local shard), the unsharded parameter bytes still held when the
    forward pass ends, the collectives of one step (``utils.collectives.CollectiveCounter``,
@@ -213,14 +213,36 @@ def new_model(cfg, args, device):
 
 
 def reference(cfg, args, w, batches):
-    """One process, the whole global batch: what every data-parallel run must reproduce."""
+    """One process, the whole global batch: what every data-parallel run must reproduce
+    (its losses, the gradients of its first step and its final weights)."""
     model = new_model(cfg, args, w.device)
     init = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
-    losses = [utils.train_step(model, opt, x.to(w.device), y.to(w.device)).item()
-              for x, y in batches]
+    losses, grads = [], None
+    for x, y in batches:
+        losses.append(utils.train_step(model, opt, x.to(w.device), y.to(w.device)).item())
+        if grads is None:
+            grads = {n: p.grad.detach().float().cpu().clone() for n, p in model.named_parameters()}
     final = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "init": init, "final": final}
+    return {"losses": losses, "init": init, "final": final, "grads": grads}
+
+
+def grad_rel_err(model, ref_grads, device):
+    """``||g - g_ref|| / ||g_ref||`` over every parameter: the gradients ``model`` holds (a
+    DTensor's gathered in full, a collective: every rank calls this) against one process's.
+
+    Adam divides each update by the gradient's own running scale, so a gradient off by a
+    constant factor (an accumulation loop that forgets to divide its losses by the number of
+    micro-batches) trains almost like the right one; the gradient itself shows it.
+    """
+    diff2 = norm2 = 0.0
+    for n, p in model.named_parameters():
+        if p.grad is None:
+            raise RuntimeError(f"{n} has no gradient after the step")
+        g = full_tensor(p.grad, device).float().cpu()
+        diff2 += (g - ref_grads[n]).pow(2).sum().item()
+        norm2 += ref_grads[n].pow(2).sum().item()
+    return (diff2 / norm2) ** 0.5 if norm2 > 0 else float("nan")
 
 
 def build(name, cfg, args, w, mesh):
@@ -280,8 +302,13 @@ def run_config(name, cfg, args, w, mesh, batches, ref):
     build_peak = torch.cuda.max_memory_allocated(w.device) if cuda else None
     step = step_fn(name, model, opt, args)
 
-    # 1. Correctness: the same steps as the reference, on this rank's slice of each batch.
-    losses = [global_mean(step(*rank_slice(b, w, args)), w) for b in batches]
+    # 1. Correctness: the same steps as the reference, on this rank's slice of each batch,
+    #    and after the first step, the same gradients.
+    losses, grad_err = [], None
+    for b in batches:
+        losses.append(global_mean(step(*rank_slice(b, w, args)), w))
+        if grad_err is None:
+            grad_err = grad_rel_err(inner, ref["grads"], w.device)
     diff2 = upd2 = 0.0
     max_abs = 0.0
     for n, p in inner.named_parameters():
@@ -314,6 +341,8 @@ def run_config(name, cfg, args, w, mesh, batches, ref):
         "losses": losses,
         "param_max_abs_diff": max_abs,
         "update_rel_err": (diff2 / upd2) ** 0.5 if upd2 > 0 else float("nan"),
+        # the first step's gradients vs one process's, ||g - g_ref|| / ||g_ref||
+        "grad_rel_err": grad_err,
         "bytes": held,
         "device_bytes": on_device,
         "unsharded_after_forward_bytes": seen.get("bytes"),
@@ -398,10 +427,10 @@ def main():
             out["configs"][name] = run_config(name, cfg, args, w, mesh, batches, ref)
             if w.is_main:
                 r = out["configs"][name]
+                step_ms = "not timed" if r["step_ms"] is None else f"{r['step_ms']:.1f} ms"
                 print(f"[rank 0] {name:<14} loss {r['losses'][-1]:.4f} "
                       f"(reference {ref['losses'][-1]:.4f})  state "
-                      f"{sum(r['bytes'].values()) / 2**20:.2f} MiB  step "
-                      f"{r['step_ms'] or float('nan'):.1f} ms",
+                      f"{sum(r['bytes'].values()) / 2**20:.2f} MiB  step {step_ms}",
                       flush=True)
         ud.write_rank_result(args.out, w.rank, out)
 
