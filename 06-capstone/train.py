@@ -165,8 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "only); no checkpoint. A run that cannot run here (FP8 without CUDA "
                         "sm89+ or torchao) says why in its row; an optional run that would end "
                         "past --budget-s is left out, saying so. max-autotune is not among the "
-                        "runs: its autotuning takes minutes on a GPU (max-autotune-gemm's first "
-                        "step took 224 s on an H100), too much for the budget; run it apart "
+                        "runs: its autotuning can take minutes on a GPU (this module's README "
+                        "gives a measured first step), too much for the budget; run it apart "
                         "(--compile max-autotune-gemm, its first step is what it cost)")
     p.add_argument("--fp8-sweep", nargs="?", const=FP8_SWEEP_WIDTHS, default=None,
                    metavar="WIDTHS",
@@ -179,8 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-s", type=float, default=250,
                    help="--benchmark: leave out an optional run (after the first two) whose "
                         "estimated time, from the top rung's, would end it past this many "
-                        "seconds from the process's start, imports included (default: 250, for "
-                        "a 300 s limit). The table so far and the ledger are written after "
+                        "seconds from the process's start, imports included (default: 250). "
+                        "The table so far and the ledger are written after "
                         "every run, so a run killed at a time limit keeps what it measured")
     p.add_argument("--profile-steps", type=int, default=None, metavar="N",
                    help="after training, profile N more steps and print the step's time by "
@@ -401,8 +401,8 @@ def _train(args, sizes, cfg, rung_name, preset, rank, world, device, notes=()) -
     say(f"  the same settings as flags: {' '.join(cfg.to_flags())}")
     say(f"batch: {sizes['batch_size']} x {seq} tokens per step ({per_rank} per process, "
         f"{cfg.accum_steps} micro-batch(es) of {per_rank // cfg.accum_steps})")
-    say(f"FLOPs per step per process: {flops / 1e9:.2f} GFLOP (counted once); ceiling: "
-        f"{kind} matmul, measured on this machine: {ceiling:.2f} TFLOP/s")
+    say(f"FLOPs per step per process: {flops / 1e9:.2f} GFLOP (counted once, {FLOP_CONVENTION}); "
+        f"ceiling: {kind} matmul, measured on this machine: {ceiling:.2f} TFLOP/s")
 
     wrap = None
     if world > 1:
@@ -456,8 +456,8 @@ def _train(args, sizes, cfg, rung_name, preset, rank, world, device, notes=()) -
                 window_start, window_steps = now, 0
                 if main:
                     tqdm.write(f"step {step + 1:>6}/{args.steps}  loss {loss:.4f}  "
-                               f"{speed:,.0f} tokens/s  MFU {mfu:.1%} (of the measured {kind} "
-                               "ceiling)", file=sys.stdout)
+                               f"{speed:,.0f} tokens/s  MFU {mfu:.1%} ({FLOP_CONVENTION}, of "
+                               f"the measured {kind} ceiling)", file=sys.stdout)
                     sys.stdout.flush()
             if math.isnan(speed):  # no timed window has ended yet
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s="(timing)", mfu="(timing)")
@@ -507,7 +507,7 @@ def _train(args, sizes, cfg, rung_name, preset, rank, world, device, notes=()) -
     if speeds:
         step_s = tokens_per_step / speeds[-1]
         report = utils.mfu_report(flops, step_s, ceiling, kind, device)
-        say(f"MFU per process, last window: {report}")
+        say(f"MFU per process, last window, FLOPs {FLOP_CONVENTION}: {report}")
         result["report"] = report
     if profile is not None:
         result["profile"] = profile
@@ -539,13 +539,14 @@ def write_ledger(args, result, report, *, first_s, flops, ceiling, kind, rung_na
     record("final_loss", result["final_loss"], "")
     record("first_step_s", first_s, "s", note="compilation and warm-up, not in the rates")
     record("flops_per_step", flops, "FLOP",
-           note="per process, counted once (utils.ladder.count_step_flops)")
+           note=f"per process, counted once (utils.ladder.count_step_flops): {FLOP_CONVENTION}")
     record("tokens_per_step", tokens_per_step, "tokens")
     record("vocab_size", vocab, "tokens")
     record("world_size", result["world_size"], "processes")
     record("measured_ceiling_tflops", ceiling, "TFLOP/s", note=f"{kind} matmul, this machine")
     if report is not None:
-        record("model_tflops", report.achieved_tflops, "TFLOP/s", note="per process")
+        record("model_tflops", report.achieved_tflops, "TFLOP/s",
+               note=f"per process, FLOPs {FLOP_CONVENTION}")
         record("mfu_vs_measured_ceiling", report.vs_measured, "fraction",
                note=f"of the {kind} matmul ceiling measured here")
         if report.vs_datasheet is not None:
@@ -581,8 +582,8 @@ class BenchmarkRun:
 
 
 #: The runs of --benchmark, in order of importance (the budget leaves out the last first). MFU's
-#: FLOPs are counted with the fp32 baseline model (hand-written attention, unpadded vocabulary):
-#: 6N for the parameters' matmuls plus the full T x T attention matmuls, the nanoGPT convention.
+#: FLOPs are counted with the fp32 baseline model (hand-written attention, unpadded vocabulary),
+#: in BENCHMARK_CONVENTION (below).
 BENCHMARK_RUNS = (
     BenchmarkRun("fp32 eager", {"rung": "fp32", "steps": 15}, required=True),
     BenchmarkRun("top rung", {"rung": "top", "steps": 60}, versus="fp32 eager", required=True),
@@ -627,7 +628,12 @@ FP8_LARGE_TOKENS = 32 * 1024  # the gpt2 preset's batch x context: the sweep the
 DEFAULT_STEPS = 200
 #: Steps --benchmark profiles after each compiled run (CUDA only), for the kernel breakdown.
 BENCHMARK_PROFILE_STEPS = 3
-BENCHMARK_CONVENTION = "6N + 12 L d T per token (parameters' matmuls and the full T x T attention)"
+#: The FLOPs MFU counts, as utils.ladder.count_step_flops counts them on the fp32 baseline model
+#: (notebook 01 checks the count to the FLOP against utils.flops.gpt_flops): short and in full.
+FLOP_CONVENTION = "6N+attn less biases and norms"
+BENCHMARK_CONVENTION = ("6N + 12 L d T per token less the biases and norms: every matmul forward "
+                        "and backward, attention over the full T x T (nanoGPT's 6N+attn), N "
+                        "without the position embeddings")
 
 
 def _benchmark_list() -> str:
@@ -821,7 +827,8 @@ def print_benchmark_table(rows: list[dict], device_type: str, breakdown: bool = 
     kernel kind."""
     ran = _ran(rows)
     width = max(len(r["label"]) for r in rows)
-    print(f"\nFLOPs: {BENCHMARK_CONVENTION}; padded vocabulary rows are not counted.")
+    print(f"\nFLOPs ({FLOP_CONVENTION}): {BENCHMARK_CONVENTION}; padded vocabulary rows are not "
+          "counted.")
     print(f"{'run':<{width}} {'vocab (padded)':>15} {'batch':>5} {'tokens/s':>11} {'TFLOP/s':>8} "
           f"{'MFU measured':>13} {'MFU datasheet':>14} {'peak GiB':>8}  gain")
     for r in rows:
