@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Iterable, Mapping
 
 import pytest
 import torch
@@ -15,6 +17,21 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 def course_notebooks() -> list[Path]:
     """Every course notebook: ``NN-module/NN_name.ipynb``, in reading order."""
     return sorted(REPO.glob("[0-9][0-9]-*/[0-9][0-9]_*.ipynb"))
+
+
+def code_cells(path: Path) -> dict[str, str]:
+    """A notebook's code cells, their source by cell id, in order (the lesson-check tests run
+    a notebook's own solution and check cells)."""
+    nb = json.loads(Path(path).read_text(encoding="utf-8"))
+    return {c["id"]: "".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"}
+
+
+def cell_starting(cells: Mapping[str, str] | Iterable[str], start: str) -> str:
+    """The one code cell whose source starts with ``start`` (cells as from :func:`code_cells`,
+    or their sources)."""
+    sources = cells.values() if isinstance(cells, Mapping) else cells
+    (found,) = [s for s in sources if s.startswith(start)]
+    return found
 
 
 def pytest_xdist_auto_num_workers(config):

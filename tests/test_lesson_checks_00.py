@@ -4,7 +4,6 @@ the solution and fails a wrong answer that a learner-eyed review found it let th
 from __future__ import annotations
 
 import copy
-import json
 import math
 import statistics
 import types
@@ -15,17 +14,15 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import utils
-from conftest import REPO
+from conftest import REPO, cell_starting, code_cells
 
 
 def _code_cells(notebook: str) -> list[str]:
-    nb = json.loads((REPO / "00-foundations" / notebook).read_text())
-    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    return list(code_cells(REPO / "00-foundations" / notebook).values())
 
 
 def _cell(cells: list[str], start: str) -> str:
-    (found,) = [s for s in cells if s.startswith(start)]
-    return found
+    return cell_starting(cells, start)
 
 
 def test_03_exercise_2_check_wants_at_least_one_worker_even_for_free_items():

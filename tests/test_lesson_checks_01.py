@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import json
 import random
 import types
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import utils
-from conftest import REPO
+from conftest import REPO, cell_starting, code_cells
 from utils import compiletools as ct
 
 NB_DIR = REPO / "01-torch-compile"   # a test of the old notebooks points this elsewhere
@@ -33,13 +32,11 @@ TIER_IDS = ["smoke", "cpu-full", "gpu-full"]
 
 def _code_cells(notebook: str) -> dict[str, str]:
     """Code cells by id."""
-    nb = json.loads((Path(NB_DIR) / notebook).read_text())
-    return {c["id"]: "".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"}
+    return code_cells(Path(NB_DIR) / notebook)
 
 
 def _cell(cells: dict[str, str], start: str) -> str:
-    (found,) = [s for s in cells.values() if s.startswith(start)]
-    return found
+    return cell_starting(cells, start)
 
 
 def _sizes_cell(cells: dict[str, str]) -> str:

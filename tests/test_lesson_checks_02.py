@@ -5,7 +5,6 @@ the solution and fails a wrong answer that a learner-eyed review found it let th
 from __future__ import annotations
 
 import copy
-import json
 import math
 import types
 from collections import OrderedDict
@@ -17,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import utils
-from conftest import REPO
+from conftest import REPO, cell_starting, code_cells
 from utils.course.student import strip_solutions
 
 NB_DIR = REPO / "02-mixed-precision"
@@ -25,13 +24,11 @@ CPU = torch.device("cpu")
 
 
 def _code_cells(notebook: str) -> list[str]:
-    nb = json.loads((NB_DIR / notebook).read_text())
-    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    return list(code_cells(NB_DIR / notebook).values())
 
 
 def _cell(cells: list[str], start: str) -> str:
-    (found,) = [s for s in cells if s.startswith(start)]
-    return found
+    return cell_starting(cells, start)
 
 
 def _run(source: str, env: dict, name: str) -> dict:

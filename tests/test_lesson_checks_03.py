@@ -3,7 +3,6 @@ the solution and fails a wrong answer that a learner-eyed review found it let th
 
 from __future__ import annotations
 
-import json
 import math
 import types
 
@@ -12,17 +11,15 @@ import torch
 import torch.nn.functional as F
 
 import utils
-from conftest import REPO
+from conftest import REPO, cell_starting, code_cells
 
 
 def _code_cells(notebook: str) -> list[str]:
-    nb = json.loads((REPO / "03-fused-operations" / notebook).read_text())
-    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    return list(code_cells(REPO / "03-fused-operations" / notebook).values())
 
 
 def _cell(cells: list[str], start: str) -> str:
-    (found,) = [s for s in cells if s.startswith(start)]
-    return found
+    return cell_starting(cells, start)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import os
 import types
 import weakref
@@ -18,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import utils
-from conftest import REPO
+from conftest import REPO, cell_starting, code_cells
 from utils.checkpoint import atomic_save, record_loads, safe_load
 from utils.memtools import MemoryMeter, OutOfMemoryError, SavedTensorCompression
 
@@ -36,13 +35,11 @@ def _collect_afterwards():
 
 
 def _code_cells(notebook: str) -> list[str]:
-    nb = json.loads((MODULE / notebook).read_text())
-    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    return list(code_cells(MODULE / notebook).values())
 
 
 def _cell(cells: list[str], start: str) -> str:
-    (found,) = [s for s in cells if s.startswith(start)]
-    return found
+    return cell_starting(cells, start)
 
 
 def _solution(cell: str) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import inspect
-import json
 import math
 import types
 from pathlib import Path
@@ -25,19 +24,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import utils
 import utils.distributed as ud
-from conftest import REPO
+from conftest import REPO, cell_starting, code_cells
 
 MODULE = REPO / "05-distributed"  # the notebooks and the scripts they launch
 
 
 def _code_cells(notebook: str) -> list[str]:
-    nb = json.loads((MODULE / notebook).read_text())
-    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    return list(code_cells(MODULE / notebook).values())
 
 
 def _cell(cells: list[str], start: str) -> str:
-    (found,) = [s for s in cells if s.startswith(start)]
-    return found
+    return cell_starting(cells, start)
 
 
 def _run(source: str, env: dict, name: str) -> None:

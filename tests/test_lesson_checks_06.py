@@ -13,7 +13,6 @@ from __future__ import annotations
 import ast
 import copy
 import dataclasses
-import json
 import math
 import re
 import types
@@ -23,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import utils
-from conftest import REPO
+from conftest import REPO, cell_starting, code_cells
 from utils import ladder as L
 
 NB01 = "01_speedup_ladder.ipynb"
@@ -32,13 +31,11 @@ NB02 = "02_the_top_rung_up_close.ipynb"
 
 def _cells(notebook: str) -> dict[str, str]:
     """The notebook's code cells by id."""
-    nb = json.loads((REPO / "06-capstone" / notebook).read_text(encoding="utf-8"))
-    return {c["id"]: "".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"}
+    return code_cells(REPO / "06-capstone" / notebook)
 
 
 def _cell(notebook: str, start: str) -> str:
-    (found,) = [s for s in _cells(notebook).values() if s.startswith(start)]
-    return found
+    return cell_starting(_cells(notebook), start)
 
 
 class _Ledger:
