@@ -187,3 +187,20 @@ def test_a_mistyped_flag_is_refused_not_taken_for_another(argv, capsys):
     err = capsys.readouterr().err
     assert "unrecognized arguments" in err
     assert err.startswith(f"usage: python -m utils {argv[0]} "), err  # the command's usage
+
+
+def test_the_report_lists_failures_even_when_no_notebook_wrote_a_ledger(tmp_path):
+    """A run whose every notebook failed before its ledger (a broken environment) used to end
+    in "no ledgers found", without the failures."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.json").write_text(json.dumps({"runs": [
+        {"notebook": "m/01_nb.ipynb", "status": "failed",
+         "summary": "cell 1 of 9 (In [1]: `import utils`): ModuleNotFoundError: ..."}]}))
+    text = write_report([out], plots=False).read_text()
+    assert "**1 notebook(s) did not run cleanly**" in text and "ModuleNotFoundError" in text
+    assert "no ledgers (results JSON) found" in text
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="no ledgers"):
+        write_report([empty], plots=False)

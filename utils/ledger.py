@@ -27,6 +27,7 @@ __all__ = [
     "Ledger",
     "ExpectationNotMet",
     "results_dir",
+    "ledger_file_name",
     "ledger_key",
     "shared_jobs",
     "course_commit",
@@ -71,6 +72,12 @@ def results_dir() -> Path:
     """Where ledgers are written: ``$COURSE_RESULTS_DIR``, else ``results/local/`` in the repo."""
     env = os.environ.get(RESULTS_ENV_VAR)
     return Path(env).expanduser() if env else REPO_ROOT / "results" / "local"
+
+
+def ledger_file_name(notebook: str) -> str:
+    """The file a notebook's ledger is saved as, in :func:`results_dir`: its name with ``/`` as
+    ``__`` (``"00-foundations/01_x"`` -> ``00-foundations__01_x.json``)."""
+    return notebook.replace("/", "__") + ".json"
 
 
 @dataclass(frozen=True)
@@ -318,7 +325,7 @@ class Ledger:
         return cls.from_dict(json.loads(p.read_text(encoding="utf-8")))
 
     def default_path(self) -> Path:
-        return results_dir() / (self.notebook.replace("/", "__") + ".json")
+        return results_dir() / ledger_file_name(self.notebook)
 
     def save(self, path: str | os.PathLike | None = None) -> Path:
         """Write the ledger as JSON (default: :func:`results_dir`) and return the path."""

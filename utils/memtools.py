@@ -541,7 +541,7 @@ def find_max_batch(trial: Callable[[int], Any], *, start: int = 1, max_batch: in
         if budget_bytes is not None:
             old_fraction = _limit_cuda_memory(dev, res0, budget_bytes)
     else:
-        gc.collect()  # as on CUDA: garbage of earlier work is not freed inside the search
+        _clean_after_oom(dev)  # as on CUDA: garbage of earlier work is not freed inside the search
         alloc0, res0 = 0, None
         recorder = TensorMemoryTracker(limit_bytes=budget_bytes, count_existing_frees=True)
 
@@ -830,6 +830,7 @@ class SavedTensorCompression(torch.autograd.graph.saved_tensors_hooks):
         self.packed_bytes = 0
         self.kept_bytes = 0
         super().__init__(self._pack, self._unpack)
+        self.pack_hook = self.unpack_hook = None  # set on entering: see __enter__
 
     def __enter__(self) -> "SavedTensorCompression":
         # The base class keeps the two bound methods on the object, and each holds the object:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._pytree import tree_flatten
 
 from .env import pick_device, synchronize
 from .models import GPTConfig
@@ -228,14 +229,6 @@ def cudnn_benchmark(flag: bool) -> Iterator[None]:
         torch.backends.cudnn.benchmark = old
 
 
-def _tensors_in(values: Iterable[Any]) -> Iterator[torch.Tensor]:
-    for v in values:
-        if isinstance(v, (list, tuple)):
-            yield from _tensors_in(v)
-        elif isinstance(v, torch.Tensor):
-            yield v
-
-
 class AttachedOps(torch.overrides.TorchFunctionMode):
     """Names the operations that take a tensor still attached to an autograd graph.
 
@@ -285,6 +278,7 @@ class AttachedOps(torch.overrides.TorchFunctionMode):
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if (not self._paused and torch.is_grad_enabled() and func not in self._FREE
-                and any(t.requires_grad for t in _tensors_in([*args, *kwargs.values()]))):
+                and any(isinstance(t, torch.Tensor) and t.requires_grad
+                        for t in tree_flatten((args, kwargs))[0])):
             self.names.append(getattr(func, "__name__", str(func)))
         return func(*args, **kwargs)

@@ -360,15 +360,28 @@ def write_report(paths: Sequence[str | os.PathLike], out: str | os.PathLike | No
         figures: the folder for the plots (default: beside the markdown file).
 
     Returns the path of the markdown file.
+
+    Raises:
+        FileNotFoundError: a path does not exist, or the paths hold neither a ledger nor a
+            ``run.json`` that records a notebook that did not run cleanly.
     """
-    ledgers, skipped = _found_ledgers(paths)
+    unfinished = unfinished_runs(paths)
     first = Path(paths[0])
     out_path = Path(out) if out else (first if first.is_dir() else first.parent) / "report.md"
+    try:
+        ledgers, skipped = _found_ledgers(paths)
+    except FileNotFoundError as exc:
+        if not unfinished:  # nothing to report
+            raise
+        # every notebook stopped before it wrote a ledger (a broken environment, say): say so
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(f"# Results\n\n{_unfinished_section(unfinished)}{exc}.\n",
+                            encoding="utf-8")
+        return out_path
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fig_dir = Path(figures) if figures else out_path.parent
     fig_dir.mkdir(parents=True, exist_ok=True)
     text = markdown_report(ledgers)
-    unfinished = unfinished_runs(paths)
     if unfinished:
         head, _, rest = text.partition("\n\n")  # after the title
         text = f"{head}\n\n{_unfinished_section(unfinished)}{rest}"

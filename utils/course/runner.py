@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..ledger import REPO_ROOT, RESULTS_ENV_VAR, SHARED_ENV_VAR, SMOKE_ENV_VAR
+from ..ledger import REPO_ROOT, RESULTS_ENV_VAR, SHARED_ENV_VAR, SMOKE_ENV_VAR, ledger_file_name
 from ..sizes import COMPILE_THREADS_ENV_VAR, compile_threads_per_job, usable_cpu_count
 
 __all__ = [
@@ -157,7 +157,7 @@ def _ledger_facts(results: Path, name: str, since: float) -> tuple[str, str]:
     """The device and the size-table column that a notebook's ledger, written since ``since``
     (a ``time.time()``), records; empty strings where there is none."""
     stem = name[:-len(".ipynb")] if name.endswith(".ipynb") else name
-    f = results / (stem.replace("/", "__") + ".json")
+    f = results / ledger_file_name(stem)
     try:
         if f.stat().st_mtime < since:
             return "", ""
